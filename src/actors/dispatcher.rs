@@ -1,0 +1,389 @@
+//! DispatcherActor: claims ready tasks within the caps and starts one WorkerActor per run.
+//!
+//! Event-driven: every committed board event that can free a slot or make a task claimable
+//! (a task added, a run closed, a worker exited, a dependency done, …) triggers a pass at
+//! once; the periodic tick only backs that up and runs the time-based chores. Passes never
+//! overlap: a trigger during a pass schedules exactly one more.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::broadcast;
+
+use super::outcome::ExitPolicy;
+use super::reaper::{ReaperActor, RunClosed, WorkerGone};
+use super::spawn::{self, SpawnSpec};
+use super::store::Store;
+use super::worker::{Terminate, TerminateReason, WorkerActor};
+use crate::board::{self, Claim, Event, RunId, RunOutcome, Task, TaskId, now_millis};
+use crate::config::Config;
+use crate::process::{self, Fingerprint};
+
+/// Board events that never change what can be claimed.
+const QUIET_KINDS: &[&str] = &["heartbeat", "worker_spawned", "commented", "claimed", "worker_exited"];
+
+/// Run a dispatch pass now.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Kick;
+
+/// A committed board event (from the store's feed).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct BoardEvent(Arc<Event>);
+
+/// The worker of a run has a pid.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct WorkerSpawned {
+    pub run_id: RunId,
+    pub pid: i32,
+}
+
+/// The worker actor of a run has finished (its process exited and the exit is recorded, or
+/// it never started).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct WorkerFinished {
+    pub run_id: RunId,
+    pub task_id: TaskId,
+}
+
+/// Live workers of this incarnation: (run, task, pid).
+#[derive(Message)]
+#[rtype(result = "Vec<(RunId, TaskId, Option<i32>)>")]
+pub struct LiveWorkers;
+
+/// Stop claiming. With `terminate`, also end every live worker (their runs are released
+/// first, so the tasks go back to `ready` without counting a failure) and answer once they
+/// have all exited or `kill_timeout` + 2 s have passed.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct StopDispatching {
+    pub terminate: bool,
+}
+
+struct Worker {
+    addr: Addr<WorkerActor>,
+    task_id: TaskId,
+    pid: Option<i32>,
+}
+
+/// The actor.
+pub struct DispatcherActor {
+    config: Arc<Config>,
+    store: Store,
+    reaper: Addr<ReaperActor>,
+    claimer: String,
+    workers: HashMap<RunId, Worker>,
+    caps: BTreeMap<String, u32>,
+    in_pass: bool,
+    again: bool,
+    accepting: bool,
+}
+
+impl DispatcherActor {
+    /// A dispatcher over `store` for `config`.
+    pub fn new(config: Arc<Config>, store: Store, reaper: Addr<ReaperActor>) -> Self {
+        let caps = config
+            .assignees
+            .iter()
+            .map(|(name, a)| (name.clone(), a.max_in_progress))
+            .collect();
+        DispatcherActor {
+            claimer: format!("runwarden:{}", std::process::id()),
+            config,
+            store,
+            reaper,
+            workers: HashMap::new(),
+            caps,
+            in_pass: false,
+            again: false,
+            accepting: true,
+        }
+    }
+
+    fn pass(&mut self, ctx: &mut Context<Self>) {
+        if !self.accepting {
+            return;
+        }
+        if self.in_pass {
+            self.again = true;
+            return;
+        }
+        self.in_pass = true;
+        let caps = self.caps.clone();
+        let max = self.config.supervisor.max_in_progress;
+        let claimer = self.claimer.clone();
+        let lease = self.config.leases.claim_ttl.as_millis() as i64;
+        let store = self.store.clone();
+        async move {
+            store
+                .with_tx(move |tx, now| {
+                    let candidates = tx.ready_candidates(now, max.saturating_mul(4).max(64))?;
+                    let plan = board::plan_claims(&candidates, &tx.open_runs_by_assignee()?, max, &caps, max)?;
+                    let mut claimed = Vec::new();
+                    for id in plan {
+                        match tx.nested(|tx| tx.claim_task(id, &claimer, now, lease)) {
+                            Ok(claim) => {
+                                let task = candidates.iter().find(|t| t.id == id).cloned().expect("planned from candidates");
+                                claimed.push((claim, task));
+                            }
+                            Err(e) => tracing::debug!(task_id = id, error = %e, "dispatch: claim refused"),
+                        }
+                    }
+                    Ok(claimed)
+                })
+                .await
+        }
+        .into_actor(self)
+        .map(|res, act, ctx| {
+            act.in_pass = false;
+            match res {
+                Ok(claimed) => {
+                    for (claim, task) in claimed {
+                        act.start_worker(claim, task, ctx);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "dispatch pass failed"),
+            }
+            if std::mem::take(&mut act.again) {
+                act.pass(ctx);
+            }
+        })
+        .spawn(ctx);
+    }
+
+    fn start_worker(&mut self, claim: Claim, task: Task, ctx: &mut Context<Self>) {
+        let config = &self.config;
+        let name = task.assignee.clone().unwrap_or_default();
+        let Some(assignee) = config.assignee(&name) else {
+            // plan_claims only plans known assignees; a config reload could change that.
+            tracing::error!(task_id = task.id, assignee = %name, "dispatch: claimed a task with no such assignee");
+            return;
+        };
+        let spec = SpawnSpec {
+            run_id: claim.run_id,
+            task_id: task.id,
+            token: claim.token,
+            title: task.title.clone(),
+            argv: assignee.command.clone(),
+            env: assignee.env.clone(),
+            cwd: assignee
+                .cwd
+                .clone()
+                .unwrap_or_else(|| config.work_dir().join(task.id.to_string())),
+            socket: config.socket_path(),
+            log_path: config.logs_dir().join(format!("{}.log", task.id)),
+            log_max_bytes: config.supervisor.log_max_bytes,
+            uid: assignee.uid,
+            gid: assignee.gid,
+            umask: assignee.umask,
+            rlimits: assignee.rlimits.clone(),
+        };
+        let max_runtime = task
+            .max_runtime_ms
+            .filter(|&ms| ms > 0)
+            .map(|ms| Duration::from_millis(ms as u64))
+            .or(assignee.max_runtime)
+            .filter(|d| !d.is_zero());
+        let worker = WorkerActor::new(
+            spec,
+            ExitPolicy::new(config, assignee),
+            max_runtime,
+            config.reaper.kill_timeout,
+            self.store.clone(),
+            ctx.address(),
+        )
+        .start();
+        self.workers.insert(
+            claim.run_id,
+            Worker {
+                addr: worker,
+                task_id: task.id,
+                pid: None,
+            },
+        );
+    }
+
+    fn on_event(&mut self, ev: &Event, ctx: &mut Context<Self>) {
+        if ev.kind == "run_closed"
+            && let Some(run_id) = ev.run_id
+        {
+            self.on_run_closed(run_id, ev);
+        }
+        if ev.kind == "retry_scheduled"
+            && let Some(at) = ev.payload.get("not_before").and_then(|v| v.as_i64())
+        {
+            // Wake exactly when the backoff ends instead of waiting for a tick.
+            let delay = Duration::from_millis(at.saturating_sub(now_millis()).max(0) as u64);
+            ctx.run_later(delay, |act, ctx| act.pass(ctx));
+        }
+        if !QUIET_KINDS.contains(&ev.kind.as_str()) {
+            self.pass(ctx);
+        }
+    }
+
+    fn on_run_closed(&mut self, run_id: RunId, ev: &Event) {
+        let p = &ev.payload;
+        let (Some(pid), Some(boot_id), Some(ticks)) = (
+            p.get("pid").and_then(|v| v.as_i64()),
+            p.get("boot_id").and_then(|v| v.as_str()),
+            p.get("start_ticks").and_then(|v| v.as_u64()),
+        ) else {
+            return; // No live-worker evidence (already exited, or a legacy row): nothing to end.
+        };
+        let outcome: Option<RunOutcome> = p.get("outcome").and_then(|v| v.as_str()).and_then(|s| s.parse().ok());
+        // A worker that closed its own run gets the grace to finish (persist, exit); a run
+        // closed by force (archived, reclaimed, timed out, stale) wants its worker gone now.
+        let grace = match outcome {
+            Some(RunOutcome::Completed | RunOutcome::Blocked) => self.config.reaper.grace,
+            _ => Duration::ZERO,
+        };
+        self.reaper.do_send(RunClosed {
+            run_id,
+            task_id: ev.task_id.unwrap_or_default(),
+            pid: pid as i32,
+            fingerprint: Fingerprint {
+                boot_id: boot_id.to_string(),
+                start_ticks: ticks,
+            },
+            ended_at: ev.at,
+            grace,
+            worker: self.workers.get(&run_id).map(|w| w.addr.clone()),
+        });
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        self.pass(ctx);
+        // Zombies of descendants re-parented to us (we are a subreaper) are collected here;
+        // our own workers' leaders are reaped by their actors, never here.
+        let keep: std::collections::HashSet<i32> = self.workers.values().filter_map(|w| w.pid).collect();
+        let logs: Vec<_> = self
+            .workers
+            .values()
+            .map(|w| self.config.logs_dir().join(format!("{}.log", w.task_id)))
+            .collect();
+        let max_log = self.config.supervisor.log_max_bytes;
+        actix_rt::task::spawn_blocking(move || {
+            let reaped = process::reap_orphans(&|pid| keep.contains(&pid));
+            if !reaped.is_empty() {
+                tracing::debug!(?reaped, "reaped orphaned descendants");
+            }
+            for log in logs {
+                spawn::rotate_if_needed(&log, max_log);
+            }
+        });
+    }
+}
+
+impl Actor for DispatcherActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let mut feed = self.store.subscribe();
+        let me = ctx.address();
+        actix_rt::spawn(async move {
+            loop {
+                match feed.recv().await {
+                    Ok(ev) => me.do_send(BoardEvent(ev)),
+                    // Lagging only loses wake-ups, which the next pass covers.
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::debug!(missed = n, "dispatcher lagged behind the event feed");
+                        me.do_send(Kick);
+                    }
+                    Err(broadcast::error::RecvError::Closed) => break,
+                }
+                if !me.connected() {
+                    break;
+                }
+            }
+        });
+        ctx.run_interval(self.config.supervisor.tick, |act, ctx| act.tick(ctx));
+        self.pass(ctx);
+    }
+}
+
+impl Handler<Kick> for DispatcherActor {
+    type Result = ();
+    fn handle(&mut self, _: Kick, ctx: &mut Self::Context) {
+        self.pass(ctx);
+    }
+}
+
+impl Handler<BoardEvent> for DispatcherActor {
+    type Result = ();
+    fn handle(&mut self, msg: BoardEvent, ctx: &mut Self::Context) {
+        self.on_event(&msg.0, ctx);
+    }
+}
+
+impl Handler<WorkerSpawned> for DispatcherActor {
+    type Result = ();
+    fn handle(&mut self, msg: WorkerSpawned, _: &mut Self::Context) {
+        if let Some(w) = self.workers.get_mut(&msg.run_id) {
+            w.pid = Some(msg.pid);
+        }
+    }
+}
+
+impl Handler<WorkerFinished> for DispatcherActor {
+    type Result = ();
+    fn handle(&mut self, msg: WorkerFinished, ctx: &mut Self::Context) {
+        self.workers.remove(&msg.run_id);
+        self.reaper.do_send(WorkerGone { run_id: msg.run_id });
+        self.pass(ctx);
+    }
+}
+
+impl Handler<LiveWorkers> for DispatcherActor {
+    type Result = MessageResult<LiveWorkers>;
+    fn handle(&mut self, _: LiveWorkers, _: &mut Self::Context) -> Self::Result {
+        let mut v: Vec<_> = self.workers.iter().map(|(r, w)| (*r, w.task_id, w.pid)).collect();
+        v.sort();
+        MessageResult(v)
+    }
+}
+
+impl Handler<StopDispatching> for DispatcherActor {
+    type Result = ResponseActFuture<Self, ()>;
+    fn handle(&mut self, msg: StopDispatching, _: &mut Self::Context) -> Self::Result {
+        self.accepting = false;
+        if !msg.terminate || self.workers.is_empty() {
+            return Box::pin(async {}.into_actor(self));
+        }
+        let runs: Vec<(RunId, TaskId)> = self.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
+        let addrs: Vec<_> = self.workers.values().map(|w| w.addr.clone()).collect();
+        let store = self.store.clone();
+        let kill = self.config.reaper.kill_timeout;
+        Box::pin(
+            async move {
+                // Release first: a worker ended by our shutdown is not the task's failure.
+                let _ = store
+                    .with_tx(move |tx, now| {
+                        for (run_id, task_id) in runs {
+                            let still_current = tx.get_task(task_id)?.current_run_id == Some(run_id);
+                            if still_current {
+                                let _ = tx.nested(|tx| tx.reclaim_task(task_id, "supervisor shutdown", now));
+                            }
+                        }
+                        Ok(())
+                    })
+                    .await;
+                for a in &addrs {
+                    a.do_send(Terminate {
+                        kill_after: kill,
+                        reason: TerminateReason::Shutdown,
+                    });
+                }
+                let deadline = tokio::time::Instant::now() + kill + Duration::from_secs(2);
+                while addrs.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            .into_actor(self),
+        )
+    }
+}

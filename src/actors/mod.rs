@@ -1,0 +1,15 @@
+//! The actor runtime: one file per actor, messages beside their handlers.
+//!
+//! - [`store::StoreActor`]: the only writer; group commit; publishes committed events.
+//! - [`dispatcher::DispatcherActor`]: claims within the caps, starts a worker per run.
+//! - [`worker::WorkerActor`]: one per live run; owns the child, its pidfd and fingerprint.
+//! - [`reaper::ReaperActor`]: ends workers whose run is closed, after the grace.
+//!
+//! `outcome` (what an exit means) and `spawn` (starting a child) are the workers' helpers.
+
+pub mod dispatcher;
+pub mod outcome;
+pub mod reaper;
+pub mod spawn;
+pub mod store;
+pub mod worker;

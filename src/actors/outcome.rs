@@ -1,0 +1,179 @@
+//! What a worker's end means for its run: the exit policy, and the store ops that record an
+//! exit, a spawn failure or a timeout atomically (record + close + decide retry in one
+//! transaction).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rand::Rng;
+use serde_json::json;
+
+use super::spawn::log_tail;
+use super::store::{Store, StoreError};
+use super::worker::TerminateReason;
+use crate::board::{self, ExitInfo, Failure, Millis, RunId, RunOutcome, TaskId, Tx};
+use crate::config::{AssigneeConfig, Config, OnExitZero};
+use crate::process::Fingerprint;
+
+/// How many bytes of the log's end go into a crashed run's `error`.
+const LOG_TAIL_BYTES: u64 = 400;
+
+/// Per-assignee rules for interpreting a worker's end.
+#[derive(Debug, Clone)]
+pub struct ExitPolicy {
+    pub on_exit_zero: OnExitZero,
+    pub retry_exit_codes: Vec<i32>,
+    pub fail_exit_codes: Vec<i32>,
+    pub retry_cooldown: Duration,
+    pub max_retries: u32,
+    pub backoff: Duration,
+    pub backoff_max: Duration,
+}
+
+impl ExitPolicy {
+    /// The policy for `assignee` under `config`.
+    pub fn new(config: &Config, assignee: &AssigneeConfig) -> Self {
+        ExitPolicy {
+            on_exit_zero: assignee.on_exit_zero,
+            retry_exit_codes: assignee.retry_exit_codes.clone(),
+            fail_exit_codes: assignee.fail_exit_codes.clone(),
+            retry_cooldown: assignee.retry_cooldown,
+            max_retries: assignee.max_retries.unwrap_or(config.retries.max_retries),
+            backoff: config.retries.backoff,
+            backoff_max: config.retries.backoff_max,
+        }
+    }
+
+    /// Exponential backoff with ±20 % jitter (so failed tasks do not retry in lock-step),
+    /// capped at `backoff_max`. `failures` is the count including this failure.
+    pub fn backoff_ms(&self, failures: i64) -> i64 {
+        let exp = failures.clamp(1, 30) - 1;
+        let base = self.backoff.as_millis() as f64 * 2f64.powi(exp as i32);
+        let capped = base.min(self.backoff_max.as_millis() as f64);
+        let jitter = rand::thread_rng().gen_range(0.8..=1.2);
+        (capped * jitter).min(self.backoff_max.as_millis() as f64).max(0.0) as i64
+    }
+
+    /// The failure record for a run ending as `outcome`, given the task's failures so far.
+    fn failure(&self, outcome: RunOutcome, exit: Option<ExitInfo>, error: String, prior_failures: i64) -> Failure {
+        let code = exit.and_then(|e| e.code);
+        let requeue = code.is_some_and(|c| self.retry_exit_codes.contains(&c));
+        let give_up_now = code.is_some_and(|c| self.fail_exit_codes.contains(&c));
+        let backoff_ms = if requeue {
+            self.retry_cooldown.as_millis() as i64
+        } else {
+            self.backoff_ms(prior_failures + 1)
+        };
+        Failure {
+            outcome,
+            exit_code: code,
+            exit_signal: exit.and_then(|e| e.signal),
+            error,
+            default_max_retries: i64::from(self.max_retries),
+            backoff_ms,
+            counts: !requeue,
+            give_up_now,
+        }
+    }
+}
+
+/// Closes `run_id` as failed under `policy` (reads the task's failure count in the same tx).
+fn fail(tx: &Tx<'_>, run_id: RunId, policy: &ExitPolicy, outcome: RunOutcome, exit: Option<ExitInfo>, error: String, now: Millis) -> board::Result<()> {
+    let run = tx.get_run(run_id)?;
+    let task = tx.get_task(run.task_id)?;
+    let failure = policy.failure(outcome, exit, error, task.consecutive_failures);
+    tx.fail_run(run_id, &failure, now)?;
+    Ok(())
+}
+
+/// Records a spawn failure: the run closes `spawn_failed` and the retry rules apply.
+pub async fn record_spawn_failure(store: &Store, run_id: RunId, policy: ExitPolicy, error: String) -> Result<(), StoreError> {
+    store
+        .with_tx(move |tx, now| fail(tx, run_id, &policy, RunOutcome::SpawnFailed, None, error, now))
+        .await
+}
+
+/// Records a max-runtime overrun: the run closes `timed_out` (if still open) before the kill.
+pub async fn record_timeout(store: &Store, run_id: RunId, policy: ExitPolicy, error: String) -> Result<(), StoreError> {
+    store
+        .with_tx(move |tx, now| {
+            let run = tx.get_run(run_id)?;
+            if !run.is_open() {
+                return Ok(());
+            }
+            fail(tx, run_id, &policy, RunOutcome::TimedOut, None, error, now)
+        })
+        .await
+}
+
+/// Everything known when a worker's leader has exited and been reaped.
+#[derive(Debug, Clone)]
+pub struct ExitContext {
+    pub run_id: RunId,
+    pub task_id: TaskId,
+    pub exit: ExitInfo,
+    pub pid: i32,
+    pub fingerprint: Option<Fingerprint>,
+    pub terminated: Option<TerminateReason>,
+    pub log_path: PathBuf,
+    pub policy: ExitPolicy,
+}
+
+/// Records a worker's exit in one transaction: the exit status (clearing the evidence: this
+/// pid is provably gone), the terminal-reaper event if the reaper ended it, and — if the run
+/// is still open — its closing: `completed` for a clean exit under `on_exit_zero =
+/// "complete"`, `crashed` otherwise (with the code or signal and the log's tail).
+pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<(), StoreError> {
+    let tail = log_tail(&cx.log_path, LOG_TAIL_BYTES);
+    store
+        .with_tx(move |tx, now| {
+            let run = tx.record_worker_exit(cx.run_id, cx.exit, now)?;
+            if cx.terminated == Some(TerminateReason::TerminalReap) {
+                let ended_by = if cx.exit.signal == Some(libc::SIGKILL) { "sigkill" } else { "sigterm" };
+                tx.append_event(
+                    Some(cx.task_id),
+                    Some(cx.run_id),
+                    "terminal_worker_reaped",
+                    json!({
+                        "pid": cx.pid,
+                        "boot_id": cx.fingerprint.as_ref().map(|f| &f.boot_id),
+                        "start_ticks": cx.fingerprint.as_ref().map(|f| f.start_ticks),
+                        "ended_at": run.ended_at,
+                        "ended_by": ended_by,
+                    }),
+                    now,
+                )?;
+            }
+            if !run.is_open() || tx.get_task(cx.task_id)?.current_run_id != Some(cx.run_id) {
+                // Closed by the worker's own report (or by force): the exit changes nothing.
+                return Ok(());
+            }
+            match (cx.exit.code, cx.policy.on_exit_zero) {
+                (Some(0), OnExitZero::Complete) => {
+                    tx.complete_task(cx.task_id, Some(cx.run_id), None, now)?;
+                }
+                (Some(0), OnExitZero::Crash) => {
+                    let error = "exited 0 without reporting completion".to_string();
+                    fail(tx, cx.run_id, &cx.policy, RunOutcome::Crashed, Some(cx.exit), error, now)?;
+                }
+                _ => {
+                    let what = match (cx.exit.code, cx.exit.signal) {
+                        (Some(c), _) => format!("exited with code {c}"),
+                        (None, Some(s)) => format!("killed by signal {}", signal_name(s)),
+                        _ => "ended".to_string(),
+                    };
+                    let error = if tail.is_empty() { what } else { format!("{what}; log tail: {tail}") };
+                    fail(tx, cx.run_id, &cx.policy, RunOutcome::Crashed, Some(cx.exit), error, now)?;
+                }
+            }
+            Ok(())
+        })
+        .await
+}
+
+/// `SIGKILL` for 9, etc.
+pub fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("{sig}"))
+}

@@ -1,0 +1,220 @@
+//! ReaperActor: ends workers whose run no longer wants them, after the right grace.
+//!
+//! Event-driven: each `RunClosed` schedules one actix timer at exactly `ended_at + grace` (no
+//! polling); the worker's own exit cancels it. When the timer fires, our own child is ended by
+//! its WorkerActor (which holds the pidfd); a worker of a previous incarnation is ended through
+//! `process` under the fingerprint rules. A periodic sweep over the board (start-up and every
+//! tick) catches runs closed while no supervisor was listening.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use actix::prelude::*;
+
+use super::store::Store;
+use super::worker::{Terminate, TerminateReason, WorkerActor};
+use crate::board::{self, Millis, ReapCandidate, ReapVerdict, RunId, TaskId, now_millis};
+use crate::process::{Fingerprint, PidfdSignaller};
+
+/// Most runs a single sweep hands to the blocking pool at once.
+const SWEEP_BATCH: usize = 64;
+
+/// A run closed while its worker may still be alive.
+#[derive(Message, Clone)]
+#[rtype(result = "()")]
+pub struct RunClosed {
+    pub run_id: RunId,
+    pub task_id: TaskId,
+    pub pid: i32,
+    pub fingerprint: Fingerprint,
+    pub ended_at: Millis,
+    /// How long after `ended_at` the worker is ended (zero for forced closes).
+    pub grace: Duration,
+    /// Our own WorkerActor, when this incarnation spawned the worker.
+    pub worker: Option<Addr<WorkerActor>>,
+}
+
+/// The worker of `run_id` exited by itself: cancel its scheduled kill.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct WorkerGone {
+    pub run_id: RunId,
+}
+
+/// Run the board sweep now (also on every tick); answers with the number of runs examined.
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct SweepNow;
+
+struct Pending {
+    timer: SpawnHandle,
+}
+
+/// The actor.
+pub struct ReaperActor {
+    store: Store,
+    grace: Duration,
+    kill_timeout: Duration,
+    tick: Duration,
+    pending: HashMap<RunId, Pending>,
+    owned: HashMap<RunId, Addr<WorkerActor>>,
+    /// Runs being reaped right now (a sweep must not start a second kill of the same worker).
+    in_flight: HashSet<RunId>,
+}
+
+impl ReaperActor {
+    /// A reaper with the configured grace, kill timeout and sweep period.
+    pub fn new(store: Store, grace: Duration, kill_timeout: Duration, tick: Duration) -> Self {
+        ReaperActor {
+            store,
+            grace,
+            kill_timeout,
+            tick,
+            pending: HashMap::new(),
+            owned: HashMap::new(),
+            in_flight: HashSet::new(),
+        }
+    }
+
+    fn fire(&mut self, msg: RunClosed, ctx: &mut Context<Self>) {
+        self.pending.remove(&msg.run_id);
+        if let Some(worker) = self.owned.remove(&msg.run_id)
+            && worker.connected()
+        {
+            let reason = if msg.grace.is_zero() {
+                TerminateReason::RunClosed
+            } else {
+                TerminateReason::TerminalReap
+            };
+            worker.do_send(Terminate {
+                kill_after: self.kill_timeout,
+                reason,
+            });
+            return;
+        }
+        self.reap_external(
+            ReapCandidate {
+                run_id: msg.run_id,
+                task_id: msg.task_id,
+                pid: msg.pid,
+                fingerprint: msg.fingerprint,
+                ended_at: msg.ended_at,
+            },
+            ctx,
+        );
+    }
+
+    /// Ends a worker we do not own (previous incarnation) under the fingerprint rules, off the
+    /// actor thread, then records the verdict.
+    fn reap_external(&mut self, c: ReapCandidate, ctx: &mut Context<Self>) {
+        if !self.in_flight.insert(c.run_id) {
+            return;
+        }
+        let store = self.store.clone();
+        let kill = self.kill_timeout;
+        let run_id = c.run_id;
+        async move {
+            let cand = c.clone();
+            let verdict = actix_rt::task::spawn_blocking(move || board::reap_one(&cand, &PidfdSignaller, kill))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            if let ReapVerdict::Unknown(why) = &verdict {
+                tracing::debug!(run_id = c.run_id, pid = c.pid, %why, "reaper: liveness unknown; kept for a later sweep");
+                return Ok(verdict);
+            }
+            let v = verdict.clone();
+            store
+                .with_tx(move |tx, now| tx.record_reap(&c, &v, now))
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(verdict)
+        }
+        .into_actor(self)
+        .map(move |res, act, _| {
+            act.in_flight.remove(&run_id);
+            match res {
+                Ok(ReapVerdict::Reaped(how)) => tracing::info!(run_id, ended_by = how.as_str(), "reaper: terminal worker ended"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(run_id, error = %e, "reaper: skipping run"),
+            }
+        })
+        .spawn(ctx);
+    }
+
+    fn sweep(&mut self, ctx: &mut Context<Self>) {
+        let grace_ms = self.grace.as_millis() as i64;
+        let store = self.store.clone();
+        async move {
+            store
+                .with_tx(move |tx, now| tx.terminal_reap_candidates(now, grace_ms))
+                .await
+        }
+        .into_actor(self)
+        .map(|res, act, ctx| match res {
+            Ok(candidates) => {
+                let todo: Vec<_> = candidates
+                    .into_iter()
+                    .filter(|c| !act.pending.contains_key(&c.run_id) && !act.in_flight.contains(&c.run_id))
+                    .take(SWEEP_BATCH)
+                    .collect();
+                for c in todo {
+                    match act.owned.get(&c.run_id) {
+                        Some(w) if w.connected() => w.do_send(Terminate {
+                            kill_after: act.kill_timeout,
+                            reason: TerminateReason::TerminalReap,
+                        }),
+                        _ => act.reap_external(c, ctx),
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "reaper: sweep failed"),
+        })
+        .spawn(ctx);
+    }
+}
+
+impl Actor for ReaperActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        // Start-up sweep: runs closed while no supervisor was listening.
+        self.sweep(ctx);
+        ctx.run_interval(self.tick, |act, ctx| act.sweep(ctx));
+    }
+}
+
+impl Handler<RunClosed> for ReaperActor {
+    type Result = ();
+    fn handle(&mut self, msg: RunClosed, ctx: &mut Self::Context) {
+        if let Some(old) = self.pending.remove(&msg.run_id) {
+            ctx.cancel_future(old.timer);
+        }
+        if let Some(w) = &msg.worker {
+            self.owned.insert(msg.run_id, w.clone());
+        }
+        let due = msg.ended_at + msg.grace.as_millis() as i64;
+        let delay = Duration::from_millis(due.saturating_sub(now_millis()).max(0) as u64);
+        let run_id = msg.run_id;
+        let timer = ctx.run_later(delay, move |act, ctx| act.fire(msg, ctx));
+        self.pending.insert(run_id, Pending { timer });
+    }
+}
+
+impl Handler<WorkerGone> for ReaperActor {
+    type Result = ();
+    fn handle(&mut self, msg: WorkerGone, ctx: &mut Self::Context) {
+        self.owned.remove(&msg.run_id);
+        if let Some(p) = self.pending.remove(&msg.run_id) {
+            ctx.cancel_future(p.timer);
+        }
+    }
+}
+
+impl Handler<SweepNow> for ReaperActor {
+    type Result = usize;
+    fn handle(&mut self, _: SweepNow, ctx: &mut Self::Context) -> usize {
+        self.sweep(ctx);
+        self.pending.len()
+    }
+}

@@ -1,0 +1,212 @@
+//! Starting a worker process: argv, environment, working directory, log file, privileges.
+//!
+//! The child is a process-group leader (so its whole group can be signalled), reads /dev/null,
+//! and appends stdout and stderr straight to its task's log file: the worker writes the file
+//! itself, so it keeps running (and logging) if the supervisor restarts.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::board::{RunId, TaskId};
+use crate::process::{self, Fingerprint, PidFd};
+
+/// Everything needed to start one run's worker.
+#[derive(Debug, Clone)]
+pub struct SpawnSpec {
+    pub run_id: RunId,
+    pub task_id: TaskId,
+    pub token: String,
+    pub title: String,
+    pub argv: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: PathBuf,
+    pub socket: PathBuf,
+    pub log_path: PathBuf,
+    pub log_max_bytes: u64,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub umask: Option<u32>,
+    pub rlimits: BTreeMap<String, u64>,
+}
+
+/// A started worker: its pid, a pidfd pinning its identity, and its spawn fingerprint.
+pub struct Spawned {
+    pub pid: i32,
+    pub pidfd: PidFd,
+    pub fingerprint: Option<Fingerprint>,
+}
+
+/// Starts the worker. Errors are one line, naming what failed.
+pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
+    let (program, args) = spec
+        .argv
+        .split_first()
+        .ok_or_else(|| "the assignee's command is empty".to_string())?;
+    fs::create_dir_all(&spec.cwd)
+        .map_err(|e| format!("cannot create working directory {}: {e}", spec.cwd.display()))?;
+    let log = open_log(&spec.log_path, spec.log_max_bytes)?;
+    let log_err = log
+        .try_clone()
+        .map_err(|e| format!("cannot duplicate log file handle: {e}"))?;
+
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .current_dir(&spec.cwd)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log_err)
+        .process_group(0);
+    // A supervisor started from inside a worker must not leak its own run's identity.
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("RUNWARDEN_") {
+            cmd.env_remove(&key);
+        }
+    }
+    if let Some(path) = path_with_own_binary() {
+        cmd.env("PATH", path);
+    }
+    cmd.env("RUNWARDEN_SOCKET", &spec.socket)
+        .env("RUNWARDEN_TASK_ID", spec.task_id.to_string())
+        .env("RUNWARDEN_RUN_ID", spec.run_id.to_string())
+        .env("RUNWARDEN_RUN_TOKEN", &spec.token)
+        .env("RUNWARDEN_TASK_TITLE", &spec.title)
+        .envs(&spec.env);
+    if let Some(gid) = spec.gid {
+        cmd.gid(gid);
+    }
+    if let Some(uid) = spec.uid {
+        cmd.uid(uid);
+    }
+    let limits = rlimit_pairs(&spec.rlimits)?;
+    let umask = spec.umask;
+    if umask.is_some() || !limits.is_empty() {
+        // SAFETY: the closure runs between fork and exec; it only calls async-signal-safe
+        // functions (umask, setrlimit) and allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                if let Some(m) = umask {
+                    libc::umask(m as libc::mode_t);
+                }
+                for &(resource, value) in &limits {
+                    let lim = libc::rlimit {
+                        rlim_cur: value,
+                        rlim_max: value,
+                    };
+                    if libc::setrlimit(resource, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start `{program}`: {e}"))?;
+    let pid = child.id() as i32;
+    // The child is ours and not yet reaped, so its pid cannot be recycled before these reads:
+    // the pidfd and the fingerprint are certainly this process's.
+    let pidfd = PidFd::open(pid).map_err(|e| format!("cannot open pidfd for {pid}: {e}"))?;
+    let fingerprint = match process::fingerprint(pid) {
+        Ok(fp) => Some(fp),
+        Err(e) => {
+            tracing::warn!(pid, error = %e, "spawn: no fingerprint; this worker can only be ended by this incarnation");
+            None
+        }
+    };
+    // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle now.
+    drop(child);
+    Ok(Spawned {
+        pid,
+        pidfd,
+        fingerprint,
+    })
+}
+
+/// Opens the task's log for appending, rotating it first when it has reached `max_bytes`.
+fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
+    }
+    rotate_if_needed(path, max_bytes);
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| format!("cannot open log file {}: {e}", path.display()))
+}
+
+/// Copy-then-truncate rotation, keeping one backup (`<name>.1`). Copying (rather than
+/// renaming) keeps working while a worker holds the file open in append mode: its next write
+/// lands at the new end of the truncated file. Lines written between copy and truncate are
+/// lost; that is the documented price of never interrupting the worker.
+pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
+    let Ok(meta) = fs::metadata(path) else { return };
+    if meta.len() < max_bytes {
+        return;
+    }
+    let backup = backup_path(path);
+    if let Err(e) = fs::copy(path, &backup).and_then(|_| OpenOptions::new().write(true).open(path)?.set_len(0)) {
+        tracing::warn!(path = %path.display(), error = %e, "log rotation failed");
+    }
+}
+
+/// `<log>.1`.
+pub fn backup_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".1");
+    PathBuf::from(name)
+}
+
+/// The last `n` bytes of a log file (lossy UTF-8), for a crash's error text.
+pub fn log_tail(path: &Path, n: u64) -> String {
+    let Ok(mut f) = File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(n)));
+    let mut buf = Vec::new();
+    let _ = f.take(n).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).trim().to_string()
+}
+
+/// PATH with the directory of the running `runwarden` binary first, so `runwarden complete`
+/// works inside a worker of `cargo run -- serve`. Embedding programs are not named runwarden
+/// and leave PATH alone.
+fn path_with_own_binary() -> Option<std::ffi::OsString> {
+    let exe = std::env::current_exe().ok()?;
+    if exe.file_name()? != "runwarden" {
+        return None;
+    }
+    let dir = exe.parent()?.to_path_buf();
+    let mut parts = vec![dir];
+    if let Some(p) = std::env::var_os("PATH") {
+        parts.extend(std::env::split_paths(&p));
+    }
+    std::env::join_paths(parts).ok()
+}
+
+fn rlimit_pairs(limits: &BTreeMap<String, u64>) -> Result<Vec<(libc::__rlimit_resource_t, u64)>, String> {
+    limits
+        .iter()
+        .map(|(name, &value)| {
+            let r = match name.as_str() {
+                "nofile" => libc::RLIMIT_NOFILE,
+                "as" => libc::RLIMIT_AS,
+                "nproc" => libc::RLIMIT_NPROC,
+                "cpu" => libc::RLIMIT_CPU,
+                "fsize" => libc::RLIMIT_FSIZE,
+                "core" => libc::RLIMIT_CORE,
+                "memlock" => libc::RLIMIT_MEMLOCK,
+                "stack" => libc::RLIMIT_STACK,
+                "data" => libc::RLIMIT_DATA,
+                other => return Err(format!("unknown rlimit `{other}`")),
+            };
+            Ok((r, value))
+        })
+        .collect()
+}

@@ -1,0 +1,328 @@
+//! WorkerActor: one per live run. Owns the child process, its pidfd, its fingerprint and its
+//! log file; watches for the child's exit without blocking any thread; ends the child's whole
+//! process group when asked. Any failure here stops this actor only: the run is closed as
+//! `spawn_failed` or `crashed` and the rest of the supervisor goes on.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::io::unix::AsyncFd;
+
+use super::dispatcher::{DispatcherActor, WorkerFinished};
+use super::outcome::{self, ExitPolicy};
+use super::spawn::{self, SpawnSpec};
+use super::store::Store;
+use crate::board::{ExitInfo, RunId, TaskId};
+use crate::process::{self, ExitStatus, Fingerprint, PidFd, Signal};
+
+/// Why a worker is being ended; decides what its exit records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TerminateReason {
+    /// Its run closed (completed / blocked) and the grace passed: the terminal reaper.
+    TerminalReap,
+    /// Its run was closed by force (archived, reclaimed, timed out, stale).
+    RunClosed,
+    /// The supervisor is shutting down with `shutdown = "terminate"`.
+    Shutdown,
+}
+
+/// End this worker's process group: SIGTERM, then SIGKILL after `kill_after`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Terminate {
+    pub kill_after: Duration,
+    pub reason: TerminateReason,
+}
+
+/// The child exited (its pidfd became readable).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct LeaderExited;
+
+/// Borrowed view of the pidfd for tokio's reactor.
+struct Watch(Arc<PidFd>);
+
+impl AsRawFd for Watch {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+/// The actor. Created by the dispatcher for a claimed run.
+pub struct WorkerActor {
+    spec: SpawnSpec,
+    policy: ExitPolicy,
+    max_runtime: Option<Duration>,
+    kill_timeout: Duration,
+    store: Store,
+    dispatcher: Addr<DispatcherActor>,
+    pidfd: Option<Arc<PidFd>>,
+    fingerprint: Option<Fingerprint>,
+    terminating: Option<TerminateReason>,
+    finished: bool,
+}
+
+impl WorkerActor {
+    /// A worker for one claimed run; the process starts when the actor starts.
+    pub fn new(
+        spec: SpawnSpec,
+        policy: ExitPolicy,
+        max_runtime: Option<Duration>,
+        kill_timeout: Duration,
+        store: Store,
+        dispatcher: Addr<DispatcherActor>,
+    ) -> Self {
+        WorkerActor {
+            spec,
+            policy,
+            max_runtime,
+            kill_timeout,
+            store,
+            dispatcher,
+            pidfd: None,
+            fingerprint: None,
+            terminating: None,
+            finished: false,
+        }
+    }
+
+    fn run_id(&self) -> RunId {
+        self.spec.run_id
+    }
+
+    fn task_id(&self) -> TaskId {
+        self.spec.task_id
+    }
+
+    /// Reports the end of this run to the dispatcher (once) and stops the actor.
+    fn finish(&mut self, ctx: &mut Context<Self>) {
+        if !self.finished {
+            self.finished = true;
+            self.dispatcher.do_send(WorkerFinished {
+                run_id: self.run_id(),
+                task_id: self.task_id(),
+            });
+        }
+        ctx.stop();
+    }
+
+    fn spawn_failed(&mut self, error: String, ctx: &mut Context<Self>) {
+        tracing::warn!(run_id = self.run_id(), task_id = self.task_id(), %error, "worker: spawn failed");
+        let store = self.store.clone();
+        let (run_id, policy) = (self.run_id(), self.policy.clone());
+        async move { outcome::record_spawn_failure(&store, run_id, policy, error).await }
+            .into_actor(self)
+            .map(|res, act, ctx| {
+                if let Err(e) = res {
+                    tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record spawn failure");
+                }
+                act.finish(ctx);
+            })
+            .wait(ctx);
+    }
+
+    fn on_exit(&mut self, ctx: &mut Context<Self>) {
+        let Some(pidfd) = self.pidfd.clone() else {
+            return self.finish(ctx);
+        };
+        let status = match pidfd.try_reap() {
+            Ok(Some(s)) => s,
+            Ok(None) => {
+                // Readable but not yet reapable cannot happen for our own child; watch again.
+                tracing::debug!(run_id = self.run_id(), "worker: pidfd readable before exit; re-arming");
+                return self.watch(ctx);
+            }
+            Err(e) => {
+                tracing::error!(run_id = self.run_id(), error = %e, "worker: cannot reap child");
+                ExitStatus::Signal(0)
+            }
+        };
+        let exit = match status {
+            ExitStatus::Code(c) => ExitInfo { code: Some(c), signal: None },
+            ExitStatus::Signal(s) => ExitInfo { code: None, signal: Some(s) },
+        };
+        tracing::info!(run_id = self.run_id(), pid = pidfd.pid(), ?status, "worker exited");
+        // The leader is gone; anything left in its group is a leak nobody will clean up.
+        if process::group_alive(pidfd.pid()) {
+            let kill = self.kill_timeout;
+            let run_id = self.run_id();
+            let fd = pidfd.clone();
+            actix_rt::task::spawn_blocking(move || {
+                if let Err(e) = process::terminate_group(&fd, kill) {
+                    tracing::warn!(run_id, error = %e, "worker: cannot end leftover group members");
+                }
+            });
+        }
+        let store = self.store.clone();
+        let ctx_in = outcome::ExitContext {
+            run_id: self.run_id(),
+            task_id: self.task_id(),
+            exit,
+            pid: pidfd.pid(),
+            fingerprint: self.fingerprint.clone(),
+            terminated: self.terminating,
+            log_path: self.spec.log_path.clone(),
+            policy: self.policy.clone(),
+        };
+        async move { outcome::record_exit(&store, ctx_in).await }
+            .into_actor(self)
+            .map(|res, act, ctx| {
+                if let Err(e) = res {
+                    tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record exit");
+                }
+                act.finish(ctx);
+            })
+            .wait(ctx);
+    }
+
+    fn watch(&mut self, ctx: &mut Context<Self>) {
+        let Some(pidfd) = self.pidfd.clone() else { return };
+        // SAFETY: `Watch` holds an Arc of the PidFd, so the fd stays open and the same for the
+        // whole life of the AsyncFd.
+        let registered = unsafe { AsyncFd::register_with_interest(Watch(pidfd), tokio::io::Interest::READABLE) };
+        let watch = match registered {
+            Ok(w) => w,
+            Err(e) => {
+                // Without a reactor registration fall back to a blocking wait on the pool.
+                tracing::warn!(run_id = self.run_id(), error = %e, "worker: cannot watch pidfd; waiting on a thread");
+                let fd = self.pidfd.clone().expect("pidfd");
+                let addr = ctx.address();
+                actix_rt::task::spawn_blocking(move || {
+                    while !fd.wait_exit(Duration::from_secs(3600)).unwrap_or(true) {}
+                    addr.do_send(LeaderExited);
+                });
+                return;
+            }
+        };
+        let addr = ctx.address();
+        ctx.spawn(
+            async move {
+                let _ = watch.readable().await;
+                addr.do_send(LeaderExited);
+            }
+            .into_actor(self),
+        );
+    }
+
+    fn start_child(&mut self, ctx: &mut Context<Self>) -> Result<(), String> {
+        let child = spawn::spawn(&self.spec)?;
+        let pid = child.pid;
+        self.fingerprint = child.fingerprint.clone();
+        self.pidfd = Some(Arc::new(child.pidfd));
+        tracing::info!(run_id = self.run_id(), task_id = self.task_id(), pid, "worker spawned");
+        // Evidence first: the pid + fingerprint are durable before anything else happens, so
+        // whatever follows (a crash of the supervisor included) the worker stays reachable.
+        let store = self.store.clone();
+        let (run_id, fp) = (self.run_id(), self.fingerprint.clone());
+        async move {
+            store
+                .with_tx(move |tx, now| tx.set_worker(run_id, pid, fp.as_ref(), now))
+                .await
+        }
+        .into_actor(self)
+        .map(|res, act, ctx| {
+            if let Err(e) = res {
+                // Not recorded means not reachable after a restart: do not keep it running.
+                tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record pid; ending it");
+                ctx.notify(Terminate {
+                    kill_after: act.kill_timeout,
+                    reason: TerminateReason::RunClosed,
+                });
+            }
+        })
+        .wait(ctx);
+        self.dispatcher.do_send(super::dispatcher::WorkerSpawned {
+            run_id: self.run_id(),
+            pid,
+        });
+        if let Some(limit) = self.max_runtime {
+            ctx.run_later(limit, move |act, ctx| act.timed_out(limit, ctx));
+        }
+        self.watch(ctx);
+        Ok(())
+    }
+
+    fn timed_out(&mut self, limit: Duration, ctx: &mut Context<Self>) {
+        if self.terminating.is_some() {
+            return;
+        }
+        tracing::warn!(run_id = self.run_id(), ?limit, "worker: max runtime exceeded");
+        let store = self.store.clone();
+        let (run_id, policy) = (self.run_id(), self.policy.clone());
+        let error = format!("exceeded max runtime of {}", humantime::format_duration(limit));
+        async move { outcome::record_timeout(&store, run_id, policy, error).await }
+            .into_actor(self)
+            .map(|res, act, ctx| {
+                if let Err(e) = res {
+                    tracing::warn!(run_id = act.run_id(), error = %e, "worker: timeout not recorded");
+                }
+                ctx.notify(Terminate {
+                    kill_after: act.kill_timeout,
+                    reason: TerminateReason::RunClosed,
+                });
+            })
+            .wait(ctx);
+    }
+}
+
+impl Actor for WorkerActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        if let Err(error) = self.start_child(ctx) {
+            self.spawn_failed(error, ctx);
+        }
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        // A worker actor that stops before its child was reported finished (a bug, or the
+        // system going down) still tells the dispatcher, so the slot is not lost.
+        if !self.finished {
+            self.dispatcher.do_send(WorkerFinished {
+                run_id: self.run_id(),
+                task_id: self.task_id(),
+            });
+        }
+    }
+}
+
+impl Handler<LeaderExited> for WorkerActor {
+    type Result = ();
+    fn handle(&mut self, _: LeaderExited, ctx: &mut Self::Context) {
+        self.on_exit(ctx);
+    }
+}
+
+impl Handler<Terminate> for WorkerActor {
+    type Result = ();
+    fn handle(&mut self, msg: Terminate, _: &mut Self::Context) {
+        let Some(pidfd) = self.pidfd.clone() else { return };
+        if self.terminating.is_some() {
+            return;
+        }
+        self.terminating = Some(msg.reason);
+        tracing::info!(run_id = self.run_id(), pid = pidfd.pid(), reason = ?msg.reason, "worker: terminating group");
+        let run_id = self.run_id();
+        // Blocking waits belong on the blocking pool, never on an actor thread.
+        actix_rt::task::spawn_blocking(move || {
+            if let Err(e) = process::terminate_group(&pidfd, msg.kill_after) {
+                tracing::warn!(run_id, error = %e, "worker: terminate failed");
+            }
+        });
+    }
+}
+
+/// Sends `sig` to the worker's group (operator signals; tests).
+#[derive(Message)]
+#[rtype(result = "Result<(), String>")]
+pub struct SignalGroup(pub Signal);
+
+impl Handler<SignalGroup> for WorkerActor {
+    type Result = Result<(), String>;
+    fn handle(&mut self, msg: SignalGroup, _: &mut Self::Context) -> Self::Result {
+        let pidfd = self.pidfd.as_ref().ok_or("worker has no process")?;
+        pidfd.signal_group(msg.0).map_err(|e| e.to_string())
+    }
+}

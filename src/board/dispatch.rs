@@ -1,0 +1,147 @@
+//! One synchronous dispatch pass, usable without the actor runtime (tests, offline tools).
+//!
+//! The running supervisor splits these phases across its actors; this function runs them in
+//! order on one board: terminal reaping, promotion, then claiming (and spawning through a
+//! caller-supplied function) within the caps.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::reaper::reap_terminal_workers;
+use super::types::{Claim, Millis, RunId, TaskId};
+use super::{Board, Result};
+use crate::process::{Fingerprint, Signaller};
+
+/// Spawns the worker of a claimed run; returns its pid and fingerprint.
+pub type SpawnFn<'a> = dyn FnMut(&Claim) -> std::result::Result<(i32, Option<Fingerprint>), String> + 'a;
+
+/// Parameters of [`dispatch_once`].
+pub struct DispatchOptions<'a> {
+    pub now: Millis,
+    /// Who claims (recorded on the run).
+    pub claimer: &'a str,
+    /// Claim and spawn nothing; only sweep.
+    pub dry_run: bool,
+    /// Most runs to start in this pass.
+    pub max_spawn: u32,
+    /// Global cap on open runs.
+    pub max_in_progress: u32,
+    /// Per-assignee caps; tasks of an assignee not listed here are not claimed.
+    pub assignee_caps: BTreeMap<String, u32>,
+    pub lease: Duration,
+    /// Retries allowed for a task that sets none (a spawn failure counts as one).
+    pub default_max_retries: i64,
+    pub grace: Duration,
+    pub kill_timeout: Duration,
+    pub signaller: &'a dyn Signaller,
+    pub spawn: &'a mut SpawnFn<'a>,
+}
+
+/// What a pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DispatchReport {
+    /// Tasks whose terminal worker was ended.
+    pub reaped_terminal_workers: Vec<TaskId>,
+    /// Tasks promoted from `todo` to `ready`.
+    pub promoted: Vec<TaskId>,
+    /// Runs opened (and spawned) in this pass.
+    pub claimed: Vec<(TaskId, RunId)>,
+    /// Runs whose spawn failed (closed `spawn_failed`).
+    pub spawn_failed: Vec<(TaskId, RunId)>,
+}
+
+/// Runs one pass over the board. See the module doc.
+pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<DispatchReport> {
+    let mut report = DispatchReport {
+        reaped_terminal_workers: reap_terminal_workers(
+            board,
+            opts.signaller,
+            opts.now,
+            opts.grace,
+            opts.kill_timeout,
+        )?,
+        ..DispatchReport::default()
+    };
+    report.promoted = board.write(|tx| tx.promote_ready(opts.now))?;
+    if opts.dry_run || opts.max_spawn == 0 {
+        return Ok(report);
+    }
+    let now = opts.now;
+    let plan = board.read(|tx| {
+        plan_claims(
+            &tx.ready_candidates(now, opts.max_spawn.saturating_mul(4).max(64))?,
+            &tx.open_runs_by_assignee()?,
+            opts.max_in_progress,
+            &opts.assignee_caps,
+            opts.max_spawn,
+        )
+    })?;
+    for task_id in plan {
+        let claim = match board.write(|tx| tx.claim_task(task_id, opts.claimer, now, opts.lease.as_millis() as i64)) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(task_id, error = %e, "dispatch: claim refused");
+                continue;
+            }
+        };
+        match (opts.spawn)(&claim) {
+            Ok((pid, fp)) => {
+                board.write(|tx| tx.set_worker(claim.run_id, pid, fp.as_ref(), now))?;
+                report.claimed.push((task_id, claim.run_id));
+            }
+            Err(error) => {
+                board.write(|tx| {
+                    tx.fail_run(
+                        claim.run_id,
+                        &super::Failure {
+                            outcome: super::RunOutcome::SpawnFailed,
+                            exit_code: None,
+                            exit_signal: None,
+                            error,
+                            default_max_retries: opts.default_max_retries,
+                            backoff_ms: 0,
+                            counts: true,
+                            give_up_now: false,
+                        },
+                        now,
+                    )
+                })?;
+                report.spawn_failed.push((task_id, claim.run_id));
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Picks which candidates to claim: in the given (priority) order, skipping assignees that are
+/// unknown or at their cap, stopping at the global cap or `max_spawn`.
+pub fn plan_claims(
+    candidates: &[super::Task],
+    open_by_assignee: &BTreeMap<String, u32>,
+    max_in_progress: u32,
+    caps: &BTreeMap<String, u32>,
+    max_spawn: u32,
+) -> Result<Vec<TaskId>> {
+    let mut open: BTreeMap<String, u32> = open_by_assignee.clone();
+    let mut total: u32 = open.values().sum();
+    let mut out = Vec::new();
+    for task in candidates {
+        if total >= max_in_progress || out.len() as u32 >= max_spawn {
+            break;
+        }
+        let Some(assignee) = task.assignee.as_deref() else {
+            continue;
+        };
+        let Some(&cap) = caps.get(assignee) else {
+            continue;
+        };
+        let used = open.entry(assignee.to_string()).or_insert(0);
+        if *used >= cap {
+            continue;
+        }
+        *used += 1;
+        total += 1;
+        out.push(task.id);
+    }
+    Ok(out)
+}

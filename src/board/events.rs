@@ -1,0 +1,65 @@
+//! The append-only event log.
+
+use rusqlite::{OptionalExtension, params};
+
+use super::rows::{self, EVENT_COLS};
+use super::types::{Event, EventId, Millis, RunId, TaskId};
+use super::{Result, Tx};
+
+impl Tx<'_> {
+    /// Appends one event; called by every transition inside its own transaction.
+    pub fn append_event(
+        &self,
+        task_id: Option<TaskId>,
+        run_id: Option<RunId>,
+        kind: &str,
+        payload: serde_json::Value,
+        now: Millis,
+    ) -> Result<EventId> {
+        self.conn
+            .prepare_cached(
+                "INSERT INTO task_events (task_id, run_id, kind, payload, at) VALUES (?1, ?2, ?3, ?4, ?5)",
+            )?
+            .execute(params![task_id, run_id, kind, payload.to_string(), now])?;
+        Ok(self.conn.last_insert_rowid())
+    }
+
+    /// Events with id greater than `after`, oldest first, at most `limit`.
+    pub fn events_since(&self, after: EventId, limit: u32) -> Result<Vec<Event>> {
+        let sql = format!("SELECT {EVENT_COLS} FROM task_events WHERE id > ?1 ORDER BY id LIMIT ?2");
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map(params![after, limit], rows::event)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Events of one task with id greater than `after`, oldest first, at most `limit`.
+    pub fn task_events_since(&self, task_id: TaskId, after: EventId, limit: u32) -> Result<Vec<Event>> {
+        let sql = format!(
+            "SELECT {EVENT_COLS} FROM task_events WHERE task_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map(params![task_id, after, limit], rows::event)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The last `limit` events of a task, oldest first.
+    pub fn recent_task_events(&self, task_id: TaskId, limit: u32) -> Result<Vec<Event>> {
+        let sql = format!(
+            "SELECT {EVENT_COLS} FROM (SELECT {EVENT_COLS} FROM task_events WHERE task_id = ?1 \
+             ORDER BY id DESC LIMIT ?2) ORDER BY id"
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map(params![task_id, limit], rows::event)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The id of the newest event (0 on an empty log).
+    pub fn last_event_id(&self) -> Result<EventId> {
+        Ok(self
+            .conn
+            .query_row("SELECT max(id) FROM task_events", [], |r| r.get::<_, Option<i64>>(0))
+            .optional()?
+            .flatten()
+            .unwrap_or(0))
+    }
+}

@@ -1,0 +1,251 @@
+//! The board: SQLite schema, migrations, every transition and sweep. Synchronous.
+//!
+//! Every SQL statement of the project lives below this module, so another backend can replace it
+//! without touching the actors. A [`Board`] owns one `rusqlite::Connection`; work happens inside a
+//! [`Tx`]: [`Board::write`] opens it with `BEGIN IMMEDIATE` (so the write lock is taken up front
+//! and a transition never fails half-way with `SQLITE_BUSY` on upgrade), [`Board::read`] with a
+//! deferred `BEGIN` for a consistent snapshot. Each transition checks the state it expects
+//! (compare-and-swap on status and current run) and appends its event in the same transaction.
+
+mod dispatch;
+mod events;
+mod reads;
+mod reaper;
+mod rows;
+mod runs;
+mod schema;
+mod tasks;
+mod types;
+
+use std::path::Path;
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags};
+
+pub use dispatch::{DispatchOptions, DispatchReport, SpawnFn, dispatch_once, plan_claims};
+pub use reaper::{ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
+pub use schema::SCHEMA_VERSION;
+pub use runs::{ExitInfo, FailResult};
+pub use types::*;
+
+/// How long a statement waits for another connection's lock before failing with `busy`.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Errors of the board. Each maps to one protocol error code ([`BoardError::code`]).
+#[derive(Debug, thiserror::Error)]
+pub enum BoardError {
+    #[error("database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("cannot open board {path}: {source}")]
+    Open {
+        path: String,
+        source: rusqlite::Error,
+    },
+    #[error("board schema version {found} is newer than this build supports ({supported})")]
+    SchemaTooNew { found: u32, supported: u32 },
+    #[error("{what} {id} not found")]
+    NotFound { what: &'static str, id: i64 },
+    #[error("{0}")]
+    Conflict(String),
+    #[error("run {expected} is not the current run of task {task} (current: {current})")]
+    StaleRun {
+        task: TaskId,
+        expected: RunId,
+        current: String,
+    },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Unauthorized(String),
+}
+
+impl BoardError {
+    /// The stable error code clients see.
+    pub fn code(&self) -> &'static str {
+        match self {
+            BoardError::NotFound { .. } => "not_found",
+            BoardError::Conflict(_) => "conflict",
+            BoardError::StaleRun { .. } => "stale_run",
+            BoardError::Invalid(_) => "bad_request",
+            BoardError::Unauthorized(_) => "unauthorized",
+            BoardError::Sqlite(e) if is_disk_full(e) => "disk_full",
+            BoardError::Sqlite(e) if is_busy(e) => "busy",
+            _ => "internal",
+        }
+    }
+
+    pub(crate) fn not_found(what: &'static str, id: i64) -> Self {
+        BoardError::NotFound { what, id }
+    }
+}
+
+fn is_disk_full(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull)
+}
+
+fn is_busy(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(f, _)
+        if matches!(f.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked))
+}
+
+/// Result alias for board operations.
+pub type Result<T, E = BoardError> = std::result::Result<T, E>;
+
+/// How to open a board.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenOptions {
+    /// `PRAGMA synchronous = FULL` (true) or `NORMAL` (false).
+    pub synchronous_full: bool,
+    /// Open read-only (no migration, no writes).
+    pub read_only: bool,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            synchronous_full: true,
+            read_only: false,
+        }
+    }
+}
+
+/// One connection to a board database.
+pub struct Board {
+    conn: Connection,
+}
+
+impl std::fmt::Debug for Board {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Board")
+            .field("path", &self.conn.path())
+            .finish()
+    }
+}
+
+impl Board {
+    /// Opens (creating and migrating if needed) the board at `path` with default options.
+    pub fn open(path: &Path) -> Result<Board> {
+        Board::open_with(path, OpenOptions::default())
+    }
+
+    /// Opens the board at `path`.
+    pub fn open_with(path: &Path, opts: OpenOptions) -> Result<Board> {
+        let wrap = |source| BoardError::Open {
+            path: path.display().to_string(),
+            source,
+        };
+        let flags = if opts.read_only {
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        } else {
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_CREATE
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        };
+        let mut conn = Connection::open_with_flags(path, flags).map_err(wrap)?;
+        conn.busy_timeout(BUSY_TIMEOUT).map_err(wrap)?;
+        if !opts.read_only {
+            // WAL: readers (CLI, `show`) never block the supervisor's writer.
+            let mode: String = conn
+                .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+                .map_err(wrap)?;
+            if !mode.eq_ignore_ascii_case("wal") {
+                tracing::warn!(%mode, "board is not in WAL mode");
+            }
+        }
+        let sync = if opts.synchronous_full {
+            "FULL"
+        } else {
+            "NORMAL"
+        };
+        conn.pragma_update(None, "synchronous", sync).map_err(wrap)?;
+        conn.pragma_update(None, "foreign_keys", "ON").map_err(wrap)?;
+        if !opts.read_only {
+            schema::migrate(&mut conn)?;
+        }
+        Ok(Board { conn })
+    }
+
+    /// Runs `f` in one write transaction (`BEGIN IMMEDIATE`); commits on `Ok`, rolls back on `Err`.
+    pub fn write<T>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        let tx = self
+            .conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let out = f(&Tx { conn: &tx })?;
+        tx.commit()?;
+        Ok(out)
+    }
+
+    /// Runs `f` in one read transaction (a consistent snapshot).
+    pub fn read<T>(&mut self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        let tx = self
+            .conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Deferred)?;
+        let out = f(&Tx { conn: &tx })?;
+        tx.finish()?;
+        Ok(out)
+    }
+
+    /// Runs every op of `batch` in ONE write transaction (group commit), each inside its own
+    /// savepoint: an op that fails is rolled back alone and the others still commit. Returns
+    /// each op's result in order, or the commit error when the transaction as a whole failed
+    /// (then nothing of the batch is durable).
+    pub fn write_batch<T>(
+        &mut self,
+        batch: Vec<Box<dyn FnOnce(&Tx<'_>) -> Result<T> + '_>>,
+    ) -> Result<Vec<Result<T>>> {
+        let mut tx = self
+            .conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let mut results = Vec::with_capacity(batch.len());
+        for op in batch {
+            let sp = tx.savepoint()?;
+            let out = op(&Tx { conn: &sp });
+            if out.is_ok() {
+                sp.commit()?;
+            } else {
+                // Dropping the savepoint rolls back this op only.
+                drop(sp);
+            }
+            results.push(out);
+        }
+        tx.commit()?;
+        Ok(results)
+    }
+
+    /// Runs `PRAGMA integrity_check` and returns its first line (`"ok"` when healthy).
+    pub fn integrity_check(&self) -> Result<String> {
+        Ok(self
+            .conn
+            .query_row("PRAGMA integrity_check", [], |r| r.get(0))?)
+    }
+
+    /// Runs a raw statement. For tests that must forge states no transition produces (a legacy
+    /// row from before fingerprints existed, a corrupted value); never used by runwarden itself.
+    #[doc(hidden)]
+    pub fn execute_raw(&self, sql: &str, params: impl rusqlite::Params) -> Result<usize> {
+        Ok(self.conn.execute(sql, params)?)
+    }
+}
+
+/// An open transaction on the board. Every transition and query is a method of `Tx`.
+pub struct Tx<'a> {
+    conn: &'a Connection,
+}
+
+impl Tx<'_> {
+    /// Runs `f` in a nested savepoint: if it fails, only its own writes are undone and the
+    /// enclosing transaction goes on (e.g. one refused claim in a dispatch pass).
+    pub fn nested<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        self.conn.execute_batch("SAVEPOINT nested")?;
+        match f(self) {
+            Ok(v) => {
+                self.conn.execute_batch("RELEASE nested")?;
+                Ok(v)
+            }
+            Err(e) => {
+                self.conn.execute_batch("ROLLBACK TO nested; RELEASE nested")?;
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Queries: tasks, runs, details, counts and the dispatcher's candidate list.
+
+use std::collections::BTreeMap;
+
+use rusqlite::{OptionalExtension, params};
+
+use super::rows::{self, RUN_COLS, TASK_COLS};
+use super::types::{Millis, Run, RunId, Task, TaskDetail, TaskFilter, TaskId, TaskStatus};
+use super::{BoardError, Result, Tx};
+
+/// Most tasks `list_tasks` returns without an explicit limit.
+const DEFAULT_LIST_LIMIT: u32 = 1000;
+
+impl Tx<'_> {
+    /// One task.
+    pub fn get_task(&self, id: TaskId) -> Result<Task> {
+        let sql = format!("SELECT {TASK_COLS} FROM tasks WHERE id = ?1");
+        self.conn
+            .prepare_cached(&sql)?
+            .query_row([id], rows::task)
+            .optional()?
+            .ok_or_else(|| BoardError::not_found("task", id))
+    }
+
+    /// One task's status (cheaper than `get_task`).
+    pub fn task_status(&self, id: TaskId) -> Result<TaskStatus> {
+        let text: Option<String> = self
+            .conn
+            .prepare_cached("SELECT status FROM tasks WHERE id = ?1")?
+            .query_row([id], |r| r.get(0))
+            .optional()?;
+        let text = text.ok_or_else(|| BoardError::not_found("task", id))?;
+        text.parse().map_err(BoardError::Invalid)
+    }
+
+    /// One run.
+    pub fn get_run(&self, id: RunId) -> Result<Run> {
+        let sql = format!("SELECT {RUN_COLS} FROM task_runs WHERE id = ?1");
+        self.conn
+            .prepare_cached(&sql)?
+            .query_row([id], rows::run)
+            .optional()?
+            .ok_or_else(|| BoardError::not_found("run", id))
+    }
+
+    /// Every run of a task, oldest first.
+    pub fn runs_for_task(&self, task_id: TaskId) -> Result<Vec<Run>> {
+        let sql = format!("SELECT {RUN_COLS} FROM task_runs WHERE task_id = ?1 ORDER BY id");
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map([task_id], rows::run)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Every open run (uses the `runs_open` partial index: O(live runs)).
+    pub fn open_runs(&self) -> Result<Vec<Run>> {
+        let sql = format!("SELECT {RUN_COLS} FROM task_runs WHERE ended_at IS NULL ORDER BY id");
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map([], rows::run)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Tasks matching `filter`, newest first.
+    pub fn list_tasks(&self, filter: &TaskFilter) -> Result<Vec<Task>> {
+        let sql = format!(
+            "SELECT {TASK_COLS} FROM tasks WHERE (?1 IS NULL OR status = ?1) \
+             AND (?2 IS NULL OR assignee = ?2) ORDER BY id DESC LIMIT ?3"
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map(
+            params![
+                filter.status.map(|s| s.as_str()),
+                filter.assignee,
+                filter.limit.unwrap_or(DEFAULT_LIST_LIMIT)
+            ],
+            rows::task,
+        )?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// A task with its links, runs, last `event_limit` events and comments.
+    pub fn task_detail(&self, id: TaskId, event_limit: u32) -> Result<TaskDetail> {
+        let task = self.get_task(id)?;
+        let ids = |sql: &str| -> Result<Vec<TaskId>> {
+            let mut stmt = self.conn.prepare_cached(sql)?;
+            let rows = stmt.query_map([id], |r| r.get(0))?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
+        };
+        let parents = ids("SELECT parent_id FROM task_links WHERE child_id = ?1 ORDER BY parent_id")?;
+        let children = ids("SELECT child_id FROM task_links WHERE parent_id = ?1 ORDER BY child_id")?;
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT id, task_id, author, body, at FROM task_comments WHERE task_id = ?1 ORDER BY id",
+        )?;
+        let comments = stmt
+            .query_map([id], rows::comment)?
+            .collect::<rusqlite::Result<_>>()?;
+        Ok(TaskDetail {
+            runs: self.runs_for_task(id)?,
+            events: self.recent_task_events(id, event_limit)?,
+            task,
+            parents,
+            children,
+            comments,
+        })
+    }
+
+    /// Number of tasks per status (every status present, zero included).
+    pub fn status_counts(&self) -> Result<BTreeMap<String, i64>> {
+        let mut counts: BTreeMap<String, i64> = TaskStatus::ALL
+            .iter()
+            .map(|s| (s.as_str().to_string(), 0))
+            .collect();
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT status, count(*) FROM tasks GROUP BY status")?;
+        for row in stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))? {
+            let (status, n) = row?;
+            counts.insert(status, n);
+        }
+        Ok(counts)
+    }
+
+    /// Open runs per assignee: what the caps count (a previous incarnation's live runs too).
+    pub fn open_runs_by_assignee(&self) -> Result<BTreeMap<String, u32>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT coalesce(assignee, ''), count(*) FROM task_runs WHERE ended_at IS NULL GROUP BY 1",
+        )?;
+        let mut out = BTreeMap::new();
+        for row in stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, u32>(1)?)))? {
+            let (a, n) = row?;
+            out.insert(a, n);
+        }
+        Ok(out)
+    }
+
+    /// Ready tasks claimable at `now`, in claim order (priority, then age), at most `limit`.
+    pub fn ready_candidates(&self, now: Millis, limit: u32) -> Result<Vec<Task>> {
+        let sql = format!(
+            "SELECT {TASK_COLS} FROM tasks WHERE status = 'ready' AND not_before <= ?1 \
+             ORDER BY priority DESC, created_at, id LIMIT ?2"
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map(params![now, limit], rows::task)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// The earliest `not_before` among ready tasks still backing off, if any (so the dispatcher
+    /// can wake exactly then instead of polling).
+    pub fn next_backoff_expiry(&self, now: Millis) -> Result<Option<Millis>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT min(not_before) FROM tasks WHERE status = 'ready' AND not_before > ?1")?
+            .query_row([now], |r| r.get(0))?)
+    }
+}

@@ -1,0 +1,150 @@
+//! The terminal-worker reaper: ends workers that outlive their own run.
+//!
+//! `complete_task` clears nothing the reaper needs: the closed run row keeps the worker's pid
+//! and spawn fingerprint. A worker that reported "done" and then hung is therefore still
+//! reachable, and this sweep ends it once the run has been closed for `grace` — never a
+//! recycled pid (fingerprint mismatch), never a legacy row without a fingerprint.
+
+use std::time::Duration;
+
+use rusqlite::params;
+use serde_json::json;
+
+use super::types::{Millis, RunId, TaskId};
+use super::{Board, Result, Tx};
+use crate::process::{self, DeadReason, Ended, Fingerprint, Liveness, Signaller};
+
+/// A closed run that still holds worker evidence and whose grace has passed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReapCandidate {
+    pub run_id: RunId,
+    pub task_id: TaskId,
+    pub pid: i32,
+    pub fingerprint: Fingerprint,
+    pub ended_at: Millis,
+}
+
+/// What happened to one candidate; the evidence is cleared for every verdict but `Unknown`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReapVerdict {
+    /// Alive and ours: its group was ended.
+    Reaped(Ended),
+    /// Already gone (or a zombie, or from another boot): nothing to signal.
+    Gone(DeadReason),
+    /// The pid now belongs to another process: never signalled.
+    Recycled,
+    /// Could not tell: left alone, re-checked on a later sweep.
+    Unknown(String),
+}
+
+impl Tx<'_> {
+    /// Closed runs with worker evidence whose run ended at or before `now - grace`. Rows without
+    /// a complete fingerprint (legacy) are never selected. Uses the `runs_evidence` partial index,
+    /// so the cost follows the rows still holding evidence, not the history.
+    pub fn terminal_reap_candidates(&self, now: Millis, grace_ms: i64) -> Result<Vec<ReapCandidate>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT id, task_id, worker_pid, worker_boot_id, worker_start_ticks, ended_at \
+             FROM task_runs \
+             WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL AND ended_at <= ?1 \
+               AND worker_boot_id IS NOT NULL AND worker_start_ticks IS NOT NULL \
+             ORDER BY ended_at",
+        )?;
+        let rows = stmt.query_map(params![now - grace_ms], |r| {
+            Ok(ReapCandidate {
+                run_id: r.get(0)?,
+                task_id: r.get(1)?,
+                pid: r.get(2)?,
+                fingerprint: Fingerprint {
+                    boot_id: r.get(3)?,
+                    start_ticks: r.get::<_, i64>(4)? as u64,
+                },
+                ended_at: r.get(5)?,
+            })
+        })?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Writes the outcome of one reap decision: clears the evidence (compare-and-swap on the
+    /// values read) and appends the event that says why. `Unknown` writes nothing.
+    pub fn record_reap(&self, c: &ReapCandidate, verdict: &ReapVerdict, now: Millis) -> Result<bool> {
+        let base = json!({
+            "pid": c.pid,
+            "boot_id": c.fingerprint.boot_id,
+            "start_ticks": c.fingerprint.start_ticks,
+            "ended_at": c.ended_at,
+        });
+        let with = |key: &str, value: &str| {
+            let mut p = base.clone();
+            p[key] = json!(value);
+            p
+        };
+        let (kind, payload) = match verdict {
+            ReapVerdict::Reaped(how) => ("terminal_worker_reaped", with("ended_by", how.as_str())),
+            ReapVerdict::Gone(reason) => ("terminal_worker_gone", with("reason", reason.as_str())),
+            ReapVerdict::Recycled => ("terminal_worker_pid_recycled", base.clone()),
+            ReapVerdict::Unknown(_) => return Ok(false),
+        };
+        self.clear_worker_evidence(c.run_id, c.pid, &c.fingerprint, kind, payload, now)
+    }
+}
+
+/// Decides and acts on one candidate: probes liveness, and ends the group only when the
+/// process is provably the one recorded. Errors (signal failures) are returned to the caller,
+/// which logs and skips the row.
+pub fn reap_one(
+    c: &ReapCandidate,
+    signaller: &dyn Signaller,
+    kill_timeout: Duration,
+) -> std::result::Result<ReapVerdict, process::ProcessError> {
+    let verdict = match process::liveness(c.pid, &c.fingerprint) {
+        Liveness::Alive => match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
+            Ended::NotOurs(l) => verdict_for(l),
+            how => ReapVerdict::Reaped(how),
+        },
+        other => verdict_for(other),
+    };
+    Ok(verdict)
+}
+
+fn verdict_for(l: Liveness) -> ReapVerdict {
+    match l {
+        Liveness::Alive => ReapVerdict::Unknown("alive but not verifiable through a pidfd".into()),
+        Liveness::Dead(DeadReason::Recycled) => ReapVerdict::Recycled,
+        Liveness::Dead(reason) => ReapVerdict::Gone(reason),
+        Liveness::Unknown(why) => ReapVerdict::Unknown(why),
+    }
+}
+
+/// The sweep: ends every worker that outlived its run by more than `grace`, and returns the
+/// tasks whose worker it ended. One failing row is logged and skipped; the others go on.
+/// Signalling happens outside any transaction (a kill may wait `kill_timeout`); each verdict
+/// is then written in its own short transaction.
+pub fn reap_terminal_workers(
+    board: &mut Board,
+    signaller: &dyn Signaller,
+    now: Millis,
+    grace: Duration,
+    kill_timeout: Duration,
+) -> Result<Vec<TaskId>> {
+    let candidates = board.read(|tx| tx.terminal_reap_candidates(now, grace.as_millis() as i64))?;
+    let mut reaped = Vec::new();
+    for c in &candidates {
+        let verdict = match reap_one(c, signaller, kill_timeout) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(run_id = c.run_id, pid = c.pid, error = %e, "terminal reaper: skipping run");
+                continue;
+            }
+        };
+        if let ReapVerdict::Unknown(why) = &verdict {
+            tracing::debug!(run_id = c.run_id, pid = c.pid, %why, "terminal reaper: liveness unknown, kept");
+            continue;
+        }
+        match board.write(|tx| tx.record_reap(c, &verdict, now)) {
+            Ok(_) if matches!(verdict, ReapVerdict::Reaped(_)) => reaped.push(c.task_id),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(run_id = c.run_id, error = %e, "terminal reaper: cannot record verdict"),
+        }
+    }
+    Ok(reaped)
+}

@@ -1,0 +1,436 @@
+//! Run transitions: claim, worker evidence, heartbeat, and every way a run closes.
+
+use rand::RngCore;
+use rusqlite::params;
+use serde_json::json;
+
+use super::types::{
+    Claim, ClosedRun, Failure, Millis, Run, RunId, RunOutcome, TaskId, TaskStatus,
+};
+use super::{BoardError, Result, Tx};
+use crate::process::Fingerprint;
+
+/// What `fail_run` did to the task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailResult {
+    pub closed: ClosedRun,
+    /// `ready` (retry scheduled) or `blocked` (gave up).
+    pub status: TaskStatus,
+    pub consecutive_failures: i64,
+    /// When the retry may be claimed (`ready` only).
+    pub not_before: Millis,
+}
+
+/// How a worker process ended, as recorded on its run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitInfo {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+}
+
+fn new_token() -> String {
+    let mut bytes = [0u8; 16];
+    rand::thread_rng().fill_bytes(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Tx<'_> {
+    /// Claims a ready task: opens a run (with a fresh token and a lease) and marks the task
+    /// running. A task whose parent reopened since it became ready is demoted to `todo` instead
+    /// and the claim is refused.
+    pub fn claim_task(&self, task_id: TaskId, claimer: &str, now: Millis, lease_ms: i64) -> Result<Claim> {
+        let task = self.get_task(task_id)?;
+        if task.status != TaskStatus::Ready {
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} is {}, not ready",
+                task.status
+            )));
+        }
+        if !self.parents_satisfied(task_id)? {
+            self.set_status(task_id, TaskStatus::Ready, TaskStatus::Todo, now)?;
+            self.append_event(Some(task_id), None, "demoted", json!({ "reason": "parent_reopened" }), now)?;
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} has an unfinished parent; demoted to todo"
+            )));
+        }
+        let attempt: i64 = self
+            .conn
+            .prepare_cached("SELECT count(*) + 1 FROM task_runs WHERE task_id = ?1")?
+            .query_row([task_id], |r| r.get(0))?;
+        let token = new_token();
+        self.conn
+            .prepare_cached(
+                "INSERT INTO task_runs (task_id, attempt, assignee, token, claimer, started_at, lease_expires_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )?
+            .execute(params![task_id, attempt, task.assignee, token, claimer, now, now + lease_ms])?;
+        let run_id = self.conn.last_insert_rowid();
+        let changed = self
+            .conn
+            .prepare_cached(
+                "UPDATE tasks SET status = 'running', current_run_id = ?2, \
+                 started_at = coalesce(started_at, ?3), updated_at = ?3 \
+                 WHERE id = ?1 AND status = 'ready'",
+            )?
+            .execute(params![task_id, run_id, now])?;
+        if changed != 1 {
+            return Err(BoardError::Conflict(format!("task {task_id} changed concurrently")));
+        }
+        self.append_event(
+            Some(task_id),
+            Some(run_id),
+            "claimed",
+            json!({ "attempt": attempt, "assignee": task.assignee, "claimer": claimer }),
+            now,
+        )?;
+        Ok(Claim { task_id, run_id, attempt, token })
+    }
+
+    /// Records the spawned worker's pid and fingerprint on its run. Works on a run that already
+    /// closed too (a fast worker may report before this lands): the evidence is what lets the
+    /// reaper end a worker that outlives its run. A `None` fingerprint records a pid that will
+    /// never be signalled.
+    pub fn set_worker(&self, run_id: RunId, pid: i32, fp: Option<&Fingerprint>, now: Millis) -> Result<()> {
+        let run = self.get_run(run_id)?;
+        let changed = self
+            .conn
+            .prepare_cached(
+                "UPDATE task_runs SET spawned_pid = ?2, worker_pid = ?2, worker_boot_id = ?3, \
+                 worker_start_ticks = ?4 WHERE id = ?1 AND spawned_pid IS NULL",
+            )?
+            .execute(params![
+                run_id,
+                pid,
+                fp.map(|f| f.boot_id.as_str()),
+                fp.map(|f| f.start_ticks as i64)
+            ])?;
+        if changed != 1 {
+            return Err(BoardError::Conflict(format!("run {run_id} already has a worker")));
+        }
+        self.append_event(
+            Some(run.task_id),
+            Some(run_id),
+            "worker_spawned",
+            json!({
+                "pid": pid,
+                "boot_id": fp.map(|f| &f.boot_id),
+                "start_ticks": fp.map(|f| f.start_ticks),
+            }),
+            now,
+        )?;
+        Ok(())
+    }
+
+    /// Checks that `token` is `run_id`'s token and that the run is still its task's current
+    /// run. A worker holding a token of an older, reclaimed run gets `StaleRun`.
+    pub fn authorize_run(&self, task_id: TaskId, run_id: RunId, token: &str) -> Result<Run> {
+        let run = self.get_run(run_id)?;
+        if run.task_id != task_id || !constant_time_eq(run.token.as_bytes(), token.as_bytes()) {
+            return Err(BoardError::Unauthorized(format!(
+                "the token is not valid for run {run_id} of task {task_id}"
+            )));
+        }
+        let task = self.get_task(task_id)?;
+        if task.current_run_id != Some(run_id) || run.ended_at.is_some() {
+            return Err(self.stale(task_id, run_id, task.current_run_id));
+        }
+        Ok(run)
+    }
+
+    fn stale(&self, task: TaskId, expected: RunId, current: Option<RunId>) -> BoardError {
+        BoardError::StaleRun {
+            task,
+            expected,
+            current: current.map_or_else(|| "none".to_string(), |c| c.to_string()),
+        }
+    }
+
+    /// Refreshes a live run's heartbeat and extends its lease to `now + lease_ms`.
+    pub fn heartbeat(&self, run_id: RunId, note: Option<&str>, now: Millis, lease_ms: i64) -> Result<()> {
+        let run = self.get_run(run_id)?;
+        let changed = self
+            .conn
+            .prepare_cached(
+                "UPDATE task_runs SET heartbeat_at = ?2, lease_expires_at = max(lease_expires_at, ?3) \
+                 WHERE id = ?1 AND ended_at IS NULL",
+            )?
+            .execute(params![run_id, now, now + lease_ms])?;
+        if changed != 1 {
+            return Err(self.stale(run.task_id, run_id, None));
+        }
+        self.append_event(Some(run.task_id), Some(run_id), "heartbeat", json!({ "note": note }), now)?;
+        Ok(())
+    }
+
+    /// Extends a live run's lease without a heartbeat (the supervisor vouching for its own
+    /// live child). Returns false if the run is no longer open.
+    pub fn extend_lease(&self, run_id: RunId, now: Millis, lease_ms: i64) -> Result<bool> {
+        let changed = self
+            .conn
+            .prepare_cached(
+                "UPDATE task_runs SET lease_expires_at = max(lease_expires_at, ?2) \
+                 WHERE id = ?1 AND ended_at IS NULL",
+            )?
+            .execute(params![run_id, now + lease_ms])?;
+        Ok(changed == 1)
+    }
+
+    /// The task's current run, checked against `expected` (a worker's view of which run it is).
+    fn current_run_checked(&self, task_id: TaskId, expected: Option<RunId>) -> Result<(TaskStatus, Option<RunId>)> {
+        let task = self.get_task(task_id)?;
+        if let Some(exp) = expected
+            && task.current_run_id != Some(exp)
+        {
+            return Err(self.stale(task_id, exp, task.current_run_id));
+        }
+        let run = if task.status == TaskStatus::Running {
+            task.current_run_id
+        } else {
+            None
+        };
+        Ok((task.status, run))
+    }
+
+    /// Marks a task done. Its open run (if any) closes `completed` and KEEPS its worker pid and
+    /// fingerprint: a worker that reports and then hangs must stay reachable by the reaper.
+    /// With `expected_run`, refuses (`StaleRun`) unless that run is still the current one.
+    pub fn complete_task(
+        &self,
+        task_id: TaskId,
+        expected_run: Option<RunId>,
+        result: Option<&str>,
+        now: Millis,
+    ) -> Result<Option<ClosedRun>> {
+        let (status, run) = self.current_run_checked(task_id, expected_run)?;
+        if matches!(status, TaskStatus::Done | TaskStatus::Archived) {
+            return Err(BoardError::Conflict(format!("task {task_id} is already {status}")));
+        }
+        let closed = match run {
+            Some(run_id) => Some(self.close_run(run_id, RunOutcome::Completed, now, result, None)?),
+            None => None,
+        };
+        let changed = self
+            .conn
+            .prepare_cached(
+                "UPDATE tasks SET status = 'done', result = ?2, completed_at = ?3, updated_at = ?3, \
+                 current_run_id = NULL, consecutive_failures = 0, block_reason = NULL \
+                 WHERE id = ?1 AND status = ?4",
+            )?
+            .execute(params![task_id, result, now, status.as_str()])?;
+        if changed != 1 {
+            return Err(BoardError::Conflict(format!("task {task_id} changed concurrently")));
+        }
+        self.append_event(
+            Some(task_id),
+            run,
+            "completed",
+            json!({ "result": result, "from": status }),
+            now,
+        )?;
+        self.promote_children(task_id, now)?;
+        Ok(closed)
+    }
+
+    /// Blocks a task (worker or operator). Its open run closes `blocked`, keeping its evidence.
+    pub fn block_task(
+        &self,
+        task_id: TaskId,
+        expected_run: Option<RunId>,
+        reason: &str,
+        now: Millis,
+    ) -> Result<Option<ClosedRun>> {
+        let (status, run) = self.current_run_checked(task_id, expected_run)?;
+        if matches!(status, TaskStatus::Done | TaskStatus::Archived | TaskStatus::Blocked) {
+            return Err(BoardError::Conflict(format!("task {task_id} is already {status}")));
+        }
+        let closed = match run {
+            Some(run_id) => Some(self.close_run(run_id, RunOutcome::Blocked, now, None, Some(reason))?),
+            None => None,
+        };
+        let changed = self
+            .conn
+            .prepare_cached(
+                "UPDATE tasks SET status = 'blocked', block_reason = ?2, updated_at = ?3, \
+                 current_run_id = NULL WHERE id = ?1 AND status = ?4",
+            )?
+            .execute(params![task_id, reason, now, status.as_str()])?;
+        if changed != 1 {
+            return Err(BoardError::Conflict(format!("task {task_id} changed concurrently")));
+        }
+        self.append_event(Some(task_id), run, "blocked", json!({ "reason": reason }), now)?;
+        Ok(closed)
+    }
+
+    /// Releases a running task back to `ready`; its run closes `reclaimed` (evidence kept, so
+    /// the worker is ended by the caller or the reaper).
+    pub fn reclaim_task(&self, task_id: TaskId, reason: &str, now: Millis) -> Result<ClosedRun> {
+        let (status, run) = self.current_run_checked(task_id, None)?;
+        let Some(run_id) = run else {
+            return Err(BoardError::Conflict(format!("task {task_id} is {status}, not running")));
+        };
+        let closed = self.close_run(run_id, RunOutcome::Reclaimed, now, None, Some(reason))?;
+        let next = if self.parents_satisfied(task_id)? {
+            TaskStatus::Ready
+        } else {
+            TaskStatus::Todo
+        };
+        self.conn
+            .prepare_cached(
+                "UPDATE tasks SET status = ?2, current_run_id = NULL, updated_at = ?3 \
+                 WHERE id = ?1 AND status = 'running'",
+            )?
+            .execute(params![task_id, next.as_str(), now])?;
+        self.append_event(Some(task_id), Some(run_id), "reclaimed", json!({ "reason": reason }), now)?;
+        Ok(closed)
+    }
+
+    /// Closes a failed run (crash, timeout, spawn failure, stale) and decides the task's fate:
+    /// back to `ready` after a backoff, or `blocked` with a `gave_up` event once the retries
+    /// are used up.
+    pub fn fail_run(&self, run_id: RunId, failure: &Failure, now: Millis) -> Result<FailResult> {
+        let run = self.get_run(run_id)?;
+        let task = self.get_task(run.task_id)?;
+        if task.current_run_id != Some(run_id) || run.ended_at.is_some() {
+            return Err(self.stale(run.task_id, run_id, task.current_run_id));
+        }
+        let closed = self.close_run(run_id, failure.outcome, now, None, Some(&failure.error))?;
+        self.conn
+            .prepare_cached("UPDATE task_runs SET exit_code = coalesce(?2, exit_code), exit_signal = coalesce(?3, exit_signal) WHERE id = ?1")?
+            .execute(params![run_id, failure.exit_code, failure.exit_signal])?;
+        let failures = task.consecutive_failures + i64::from(failure.counts);
+        let max_retries = task.max_retries.unwrap_or(failure.default_max_retries);
+        let give_up = failure.give_up_now || failures > max_retries;
+        let (status, not_before) = if give_up {
+            (TaskStatus::Blocked, 0)
+        } else if self.parents_satisfied(task.id)? {
+            (TaskStatus::Ready, now + failure.backoff_ms)
+        } else {
+            (TaskStatus::Todo, now + failure.backoff_ms)
+        };
+        self.conn
+            .prepare_cached(
+                "UPDATE tasks SET status = ?2, current_run_id = NULL, consecutive_failures = ?3, \
+                 not_before = ?4, block_reason = ?5, updated_at = ?6 WHERE id = ?1 AND status = 'running'",
+            )?
+            .execute(params![
+                task.id,
+                status.as_str(),
+                failures,
+                not_before,
+                give_up.then_some(failure.error.as_str()),
+                now
+            ])?;
+        if give_up {
+            self.append_event(
+                Some(task.id),
+                Some(run_id),
+                "gave_up",
+                json!({ "last_error": failure.error, "failures": failures, "max_retries": max_retries, "outcome": failure.outcome }),
+                now,
+            )?;
+        } else {
+            self.append_event(
+                Some(task.id),
+                Some(run_id),
+                "retry_scheduled",
+                json!({ "not_before": not_before, "failures": failures, "counted": failure.counts, "outcome": failure.outcome }),
+                now,
+            )?;
+        }
+        Ok(FailResult { closed, status, consecutive_failures: failures, not_before })
+    }
+
+    /// Records how the worker process of a run ended (it was our child and we reaped it): its
+    /// exit code or signal, and clears the worker evidence, since that pid is now provably gone.
+    pub fn record_worker_exit(&self, run_id: RunId, exit: ExitInfo, now: Millis) -> Result<Run> {
+        let run = self.get_run(run_id)?;
+        self.conn
+            .prepare_cached(
+                "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3, worker_pid = NULL, \
+                 worker_boot_id = NULL, worker_start_ticks = NULL WHERE id = ?1",
+            )?
+            .execute(params![run_id, exit.code, exit.signal])?;
+        self.append_event(
+            Some(run.task_id),
+            Some(run_id),
+            "worker_exited",
+            json!({ "code": exit.code, "signal": exit.signal, "run_open": run.ended_at.is_none() }),
+            now,
+        )?;
+        self.get_run(run_id)
+    }
+
+    /// Closes an open run with `outcome` and appends `run_closed` carrying the worker evidence.
+    pub(super) fn close_run(
+        &self,
+        run_id: RunId,
+        outcome: RunOutcome,
+        now: Millis,
+        summary: Option<&str>,
+        error: Option<&str>,
+    ) -> Result<ClosedRun> {
+        let changed = self
+            .conn
+            .prepare_cached(
+                "UPDATE task_runs SET outcome = ?2, ended_at = ?3, summary = ?4, error = ?5 \
+                 WHERE id = ?1 AND ended_at IS NULL",
+            )?
+            .execute(params![run_id, outcome.as_str(), now, summary, error])?;
+        let run = self.get_run(run_id)?;
+        if changed != 1 {
+            return Err(BoardError::Conflict(format!("run {run_id} is already closed")));
+        }
+        let closed = ClosedRun {
+            task_id: run.task_id,
+            run_id,
+            outcome,
+            ended_at: now,
+            pid: run.worker_pid.and_then(|p| i32::try_from(p).ok()),
+            fingerprint: run.fingerprint(),
+        };
+        self.append_event(
+            Some(run.task_id),
+            Some(run_id),
+            "run_closed",
+            json!({
+                "outcome": outcome,
+                "pid": closed.pid,
+                "boot_id": closed.fingerprint.as_ref().map(|f| &f.boot_id),
+                "start_ticks": closed.fingerprint.as_ref().map(|f| f.start_ticks),
+                "error": error,
+            }),
+            now,
+        )?;
+        Ok(closed)
+    }
+
+    /// Clears a run's worker evidence if it still holds exactly `pid` + `fp` (compare-and-swap
+    /// on the values read, so a concurrent change is never overwritten), appending `kind`.
+    pub fn clear_worker_evidence(
+        &self,
+        run_id: RunId,
+        pid: i32,
+        fp: &Fingerprint,
+        kind: &str,
+        payload: serde_json::Value,
+        now: Millis,
+    ) -> Result<bool> {
+        let run = self.get_run(run_id)?;
+        let changed = self
+            .conn
+            .prepare_cached(
+                "UPDATE task_runs SET worker_pid = NULL, worker_boot_id = NULL, worker_start_ticks = NULL \
+                 WHERE id = ?1 AND worker_pid = ?2 AND worker_boot_id = ?3 AND worker_start_ticks = ?4",
+            )?
+            .execute(params![run_id, pid, fp.boot_id, fp.start_ticks as i64])?;
+        if changed == 1 {
+            self.append_event(Some(run.task_id), Some(run_id), kind, payload, now)?;
+        }
+        Ok(changed == 1)
+    }
+}
+
+/// Token comparison whose time does not depend on where the first difference is.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

@@ -1,0 +1,117 @@
+//! Schema and versioned migrations (`PRAGMA user_version`).
+//!
+//! Each migration is applied once, in order, inside one transaction with the version bump, so a
+//! crash half-way through a migration leaves the previous version intact.
+
+use rusqlite::Connection;
+
+use super::BoardError;
+
+/// Migrations in order; index + 1 is the `user_version` they bring the database to.
+const MIGRATIONS: &[&str] = &[
+    // v1: the board.
+    r#"
+    CREATE TABLE tasks (
+        id                   INTEGER PRIMARY KEY,
+        title                TEXT    NOT NULL,
+        body                 TEXT    NOT NULL DEFAULT '',
+        assignee             TEXT,
+        status               TEXT    NOT NULL,
+        priority             INTEGER NOT NULL DEFAULT 0,
+        created_at           INTEGER NOT NULL,
+        updated_at           INTEGER NOT NULL,
+        started_at           INTEGER,
+        completed_at         INTEGER,
+        current_run_id       INTEGER,
+        idempotency_key      TEXT,
+        max_runtime_ms       INTEGER,
+        max_retries          INTEGER,
+        consecutive_failures INTEGER NOT NULL DEFAULT 0,
+        not_before           INTEGER NOT NULL DEFAULT 0,
+        result               TEXT,
+        block_reason         TEXT
+    );
+    -- An idempotency key names at most one open task; a finished one frees the key.
+    CREATE UNIQUE INDEX tasks_idempotency ON tasks(idempotency_key)
+        WHERE idempotency_key IS NOT NULL AND status NOT IN ('done', 'archived');
+    -- The dispatcher's candidate scan touches only ready rows, already in claim order.
+    CREATE INDEX tasks_ready ON tasks(priority DESC, created_at, id) WHERE status = 'ready';
+    CREATE INDEX tasks_todo ON tasks(id) WHERE status = 'todo';
+    CREATE INDEX tasks_status ON tasks(status, id);
+
+    CREATE TABLE task_runs (
+        id                 INTEGER PRIMARY KEY,
+        task_id            INTEGER NOT NULL REFERENCES tasks(id),
+        attempt            INTEGER NOT NULL,
+        assignee           TEXT,
+        token              TEXT    NOT NULL,
+        claimer            TEXT    NOT NULL,
+        outcome            TEXT,
+        started_at         INTEGER NOT NULL,
+        ended_at           INTEGER,
+        lease_expires_at   INTEGER NOT NULL,
+        heartbeat_at       INTEGER,
+        spawned_pid        INTEGER,
+        worker_pid         INTEGER,
+        worker_boot_id     TEXT,
+        worker_start_ticks INTEGER,
+        exit_code          INTEGER,
+        exit_signal        INTEGER,
+        error              TEXT,
+        summary            TEXT
+    );
+    CREATE INDEX runs_task ON task_runs(task_id, id);
+    -- Open runs: caps, leases, adoption. O(live), whatever the history.
+    CREATE INDEX runs_open ON task_runs(id) WHERE ended_at IS NULL;
+    -- Closed runs that still hold worker evidence: the terminal reaper's whole work list.
+    CREATE INDEX runs_evidence ON task_runs(ended_at)
+        WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL;
+
+    CREATE TABLE task_events (
+        id      INTEGER PRIMARY KEY AUTOINCREMENT,
+        task_id INTEGER,
+        run_id  INTEGER,
+        kind    TEXT    NOT NULL,
+        payload TEXT    NOT NULL DEFAULT '{}',
+        at      INTEGER NOT NULL
+    );
+    CREATE INDEX events_task ON task_events(task_id, id);
+
+    CREATE TABLE task_links (
+        parent_id INTEGER NOT NULL REFERENCES tasks(id),
+        child_id  INTEGER NOT NULL REFERENCES tasks(id),
+        PRIMARY KEY (parent_id, child_id)
+    ) WITHOUT ROWID;
+    CREATE INDEX links_child ON task_links(child_id, parent_id);
+
+    CREATE TABLE task_comments (
+        id      INTEGER PRIMARY KEY,
+        task_id INTEGER NOT NULL REFERENCES tasks(id),
+        author  TEXT    NOT NULL,
+        body    TEXT    NOT NULL,
+        at      INTEGER NOT NULL
+    );
+    CREATE INDEX comments_task ON task_comments(task_id, id);
+    "#,
+];
+
+/// The schema version this build writes.
+pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
+
+/// Brings the database up to [`SCHEMA_VERSION`]; refuses a database written by a newer build.
+pub(crate) fn migrate(conn: &mut Connection) -> Result<(), BoardError> {
+    let current: u32 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    if current > SCHEMA_VERSION {
+        return Err(BoardError::SchemaTooNew {
+            found: current,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(current as usize) {
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Exclusive)?;
+        tx.execute_batch(sql)?;
+        tx.pragma_update(None, "user_version", (i + 1) as u32)?;
+        tx.commit()?;
+    }
+    Ok(())
+}

@@ -1,0 +1,357 @@
+//! `config.toml`: runwarden's configuration.
+//!
+//! Every key has a default, durations are humantime strings (`"2m"`, `"500ms"`, `"0s"`), and a
+//! mistake — an unknown key, a bad value, an unknown user — is refused at load time with a one-line
+//! message naming the key, so a typo never silently falls back to a default.
+//!
+//! Relative paths are resolved against the directory that holds the config file, so the supervisor
+//! and every CLI invocation agree on where the board lives whatever their working directory.
+//!
+//! Layout: this file holds the API and the supervisor-wide sections; `assignee` the
+//! `[assignees.*]` and `[[hooks]]` tables; `serde_helpers` the value formats
+//! (durations, umask, rlimits); `validate` the checks and path resolution done after parsing;
+//! `diagnose` the turning of a serde/toml error into a one-line message with its line and column.
+
+mod assignee;
+mod diagnose;
+mod serde_helpers;
+mod validate;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use self::assignee::{AssigneeConfig, HookConfig, OnExitZero, RLIMIT_NAMES, rlimit_resource};
+use self::serde_helpers::duration;
+
+/// The environment variable that names the config file when `--config` is not given.
+pub const CONFIG_ENV: &str = "RUNWARDEN_CONFIG";
+
+/// The config file used when neither `--config` nor `$RUNWARDEN_CONFIG` names one.
+pub const DEFAULT_CONFIG_FILE: &str = "config.toml";
+
+/// Shown in errors in place of a path for a config that did not come from a file.
+const INLINE: &str = "<inline>";
+
+/// Why a config could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read (missing, unreadable, not UTF-8).
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The file that was asked for.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The file was read but is not a valid config. `message` is one line and names the key,
+    /// e.g. "unknown key `foo` in [supervisor] (line 3, column 1)".
+    #[error("invalid config {path}: {message}")]
+    Invalid {
+        /// The file (or `<inline>` for a config given as a string).
+        path: PathBuf,
+        /// What is wrong, naming the key and what was expected.
+        message: String,
+    },
+}
+
+/// The whole configuration, with relative paths already resolved and user names looked up.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The file it was read from (absolute); `None` when built in code or from a string.
+    #[serde(skip)]
+    pub path: Option<PathBuf>,
+    /// `[supervisor]`: where the data lives and how the supervisor paces itself.
+    #[serde(default)]
+    pub supervisor: SupervisorConfig,
+    /// `[reaper]`: how closed runs' workers are ended.
+    #[serde(default)]
+    pub reaper: ReaperConfig,
+    /// `[leases]`: claim lifetimes.
+    #[serde(default)]
+    pub leases: LeasesConfig,
+    /// `[retries]`: failure budget and backoff.
+    #[serde(default)]
+    pub retries: RetriesConfig,
+    /// `[control]`: the Unix control socket.
+    #[serde(default)]
+    pub control: ControlConfig,
+    /// `[assignees.NAME]`: who runs tasks, and how.
+    #[serde(default)]
+    pub assignees: BTreeMap<String, AssigneeConfig>,
+    /// `[[hooks]]`: commands run on board events.
+    #[serde(default)]
+    pub hooks: Vec<HookConfig>,
+}
+
+/// `[supervisor]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SupervisorConfig {
+    /// Holds board.db, logs/, work/ and the lock file. Default `.runwarden`, resolved against the
+    /// config file's directory at load time (it is relative only in `SupervisorConfig::default()`).
+    pub data_dir: PathBuf,
+    /// The control socket; `None` means `<data_dir>/control.sock`.
+    pub socket: Option<PathBuf>,
+    /// Period of the time-based sweeps. Default 1s; must be > 0.
+    #[serde(with = "duration")]
+    pub tick: Duration,
+    /// Live workers, all assignees together. Default 8; at least 1.
+    pub max_in_progress: u32,
+    /// What happens to live workers when the supervisor is told to stop.
+    pub shutdown: ShutdownMode,
+    /// SQLite `PRAGMA synchronous`.
+    pub synchronous: Synchronous,
+    /// Size at which a task's log file is rotated (one backup kept). Default 10 MiB; at least 1024.
+    pub log_max_bytes: u64,
+}
+
+impl Default for SupervisorConfig {
+    fn default() -> Self {
+        SupervisorConfig {
+            data_dir: PathBuf::from(".runwarden"),
+            socket: None,
+            tick: Duration::from_secs(1),
+            max_in_progress: 8,
+            shutdown: ShutdownMode::Leave,
+            synchronous: Synchronous::Full,
+            log_max_bytes: 10 * 1024 * 1024,
+        }
+    }
+}
+
+/// On SIGTERM, what becomes of the workers still running.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShutdownMode {
+    /// Leave them running; the next incarnation adopts or reaps them by fingerprint.
+    #[default]
+    Leave,
+    /// End them (SIGTERM, then SIGKILL after `reaper.kill_timeout`) before exiting.
+    Terminate,
+}
+
+/// SQLite's `synchronous` setting for the board (WAL mode).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Synchronous {
+    /// Every commit is fsynced: no committed transition is lost on power failure.
+    #[default]
+    Full,
+    /// WAL checkpoints are fsynced, commits are not: faster, may lose the last commits on power loss.
+    Normal,
+}
+
+impl Synchronous {
+    /// The value for `PRAGMA synchronous = …`.
+    pub fn as_pragma(&self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+}
+
+/// `[reaper]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReaperConfig {
+    /// A closed run's worker is ended this long after the close. Default 2m.
+    #[serde(with = "duration")]
+    pub grace: Duration,
+    /// SIGTERM → this long → SIGKILL. Default 5s.
+    #[serde(with = "duration")]
+    pub kill_timeout: Duration,
+}
+
+impl Default for ReaperConfig {
+    fn default() -> Self {
+        ReaperConfig {
+            grace: Duration::from_secs(120),
+            kill_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// `[leases]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LeasesConfig {
+    /// How long a claim lasts without renewal. Default 15m; must be > 0.
+    #[serde(with = "duration")]
+    pub claim_ttl: Duration,
+    /// A run with no heartbeat for this long is stale. Default 0s = off.
+    #[serde(with = "duration")]
+    pub stale_after: Duration,
+}
+
+impl Default for LeasesConfig {
+    fn default() -> Self {
+        LeasesConfig {
+            claim_ttl: Duration::from_secs(15 * 60),
+            stale_after: Duration::ZERO,
+        }
+    }
+}
+
+/// `[retries]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetriesConfig {
+    /// Failed runs retried before the task gives up. Default 2.
+    pub max_retries: u32,
+    /// Delay before a failed task is retried; grows with each further failure. Default 5s.
+    #[serde(with = "duration")]
+    pub backoff: Duration,
+    /// Ceiling of the backoff. Default 5m; at least `backoff`.
+    #[serde(with = "duration")]
+    pub backoff_max: Duration,
+}
+
+impl Default for RetriesConfig {
+    fn default() -> Self {
+        RetriesConfig {
+            max_retries: 2,
+            backoff: Duration::from_secs(5),
+            backoff_max: Duration::from_secs(5 * 60),
+        }
+    }
+}
+
+/// `[control]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ControlConfig {
+    /// A connection idle this long is closed. Default 30s; must be > 0.
+    #[serde(with = "duration")]
+    pub idle_timeout: Duration,
+    /// Connections served at once. Default 256; at least 1.
+    pub max_connections: u32,
+    /// Longest request line accepted. Default 1 MiB; at least 1024.
+    pub max_request_bytes: u64,
+    /// Peers (by `SO_PEERCRED` uid) allowed besides root and the supervisor's own uid. Default none.
+    pub allowed_uids: Vec<u32>,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig {
+            idle_timeout: Duration::from_secs(30),
+            max_connections: 256,
+            max_request_bytes: 1024 * 1024,
+            allowed_uids: Vec::new(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates the config at `path`; relative paths in it are resolved
+    /// against the file's directory.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        // Absolute first, so `config.toml` (parent "") resolves against the working directory
+        // and `Config::path` means the same file from anywhere.
+        let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let base_dir = path.parent().unwrap_or_else(|| Path::new("/"));
+        let mut config = parse(&text, base_dir).map_err(|message| ConfigError::Invalid {
+            path: path.clone(),
+            message,
+        })?;
+        config.path = Some(path);
+        Ok(config)
+    }
+
+    /// Parses and validates `text` as if it were a file in `base_dir`. Errors name `<inline>`.
+    pub fn from_toml_str(text: &str, base_dir: &Path) -> Result<Config, ConfigError> {
+        let base_dir = std::path::absolute(base_dir).unwrap_or_else(|_| base_dir.to_path_buf());
+        parse(text, &base_dir).map_err(|message| ConfigError::Invalid {
+            path: PathBuf::from(INLINE),
+            message,
+        })
+    }
+
+    /// A config with every default, its data dir at `data_dir` (made absolute), no assignees and
+    /// no hooks: for tests and embedding.
+    pub fn with_data_dir(data_dir: impl Into<PathBuf>) -> Config {
+        let data_dir = data_dir.into();
+        let data_dir = std::path::absolute(&data_dir).unwrap_or(data_dir);
+        Config {
+            path: None,
+            supervisor: SupervisorConfig {
+                data_dir,
+                ..SupervisorConfig::default()
+            },
+            reaper: ReaperConfig::default(),
+            leases: LeasesConfig::default(),
+            retries: RetriesConfig::default(),
+            control: ControlConfig::default(),
+            assignees: BTreeMap::new(),
+            hooks: Vec::new(),
+        }
+    }
+
+    /// The board database: `<data_dir>/board.db`.
+    pub fn db_path(&self) -> PathBuf {
+        self.supervisor.data_dir.join("board.db")
+    }
+
+    /// The directory of the workers' log files: `<data_dir>/logs`.
+    pub fn logs_dir(&self) -> PathBuf {
+        self.supervisor.data_dir.join("logs")
+    }
+
+    /// The parent of the default per-task working directories: `<data_dir>/work`.
+    pub fn work_dir(&self) -> PathBuf {
+        self.supervisor.data_dir.join("work")
+    }
+
+    /// The lock that keeps a second supervisor off the same data dir: `<data_dir>/supervisor.lock`.
+    pub fn lock_path(&self) -> PathBuf {
+        self.supervisor.data_dir.join("supervisor.lock")
+    }
+
+    /// The control socket: `supervisor.socket` if set, else `<data_dir>/control.sock`.
+    pub fn socket_path(&self) -> PathBuf {
+        match &self.supervisor.socket {
+            Some(socket) => socket.clone(),
+            None => self.supervisor.data_dir.join("control.sock"),
+        }
+    }
+
+    /// The settings of assignee `name`, if it is configured.
+    pub fn assignee(&self, name: &str) -> Option<&AssigneeConfig> {
+        self.assignees.get(name)
+    }
+
+    /// Which config file to use: the explicit flag, else `$RUNWARDEN_CONFIG` (if non-empty),
+    /// else `./config.toml`.
+    pub fn resolve_path(flag: Option<&Path>) -> PathBuf {
+        if let Some(flag) = flag {
+            return flag.to_path_buf();
+        }
+        match std::env::var_os(CONFIG_ENV) {
+            Some(env) if !env.is_empty() => PathBuf::from(env),
+            _ => PathBuf::from(DEFAULT_CONFIG_FILE),
+        }
+    }
+}
+
+/// Parse, then validate and resolve; the error is the one-line message of `ConfigError::Invalid`.
+fn parse(text: &str, base_dir: &Path) -> Result<Config, String> {
+    // Syntax first: a malformed file gets toml's position, not a confusing type error.
+    let table: toml::Table = text.parse().map_err(|e| diagnose::syntax_error(text, &e))?;
+    let mut config: Config = toml::Value::Table(table.clone())
+        .try_into()
+        .map_err(|e| diagnose::schema_error(text, &table, &e))?;
+    validate::validate_and_resolve(&mut config, base_dir).map_err(|p| p.render(text))?;
+    Ok(config)
+}

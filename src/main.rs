@@ -1,0 +1,16 @@
+//! The `runwarden` binary: parse, set up logging, run. Everything else is in the library.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RUNWARDEN_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    runwarden::cli::run(runwarden::cli::Cli::parse())
+}

@@ -1,0 +1,227 @@
+//! Liveness verdicts and process-group scans.
+
+use super::{Fingerprint, Pid, ProcStat, ProcessError, boot_id, read_stat};
+
+/// Whether the process a fingerprint names is still running.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Liveness {
+    /// The pid holds the fingerprinted process and it has not exited.
+    Alive,
+    /// Proven dead (or never of this boot); the reason is the proof.
+    Dead(DeadReason),
+    /// A probe failed, so nothing is proven either way. Never signalled, never cleared.
+    Unknown(String),
+}
+
+/// The proof behind [`Liveness::Dead`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadReason {
+    /// No process has the pid.
+    NoSuchProcess,
+    /// The process has exited and waits to be reaped (state `Z` or `X`).
+    Zombie,
+    /// The fingerprint was taken in another boot.
+    OtherBoot,
+    /// The pid now holds another process (another start time).
+    Recycled,
+}
+
+impl DeadReason {
+    /// Stable snake_case name, for events and logs.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DeadReason::NoSuchProcess => "no_such_process",
+            DeadReason::Zombie => "zombie",
+            DeadReason::OtherBoot => "other_boot",
+            DeadReason::Recycled => "pid_recycled",
+        }
+    }
+}
+
+impl std::fmt::Display for DeadReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Dead only with proof: no such pid, a zombie (state Z or X), another boot id, another start
+/// time (= Recycled). Any probe that fails otherwise (EACCES, parse error, unreadable boot_id) is
+/// `Unknown(reason)`. The boot id is checked first: a fingerprint from another boot is
+/// `Dead(OtherBoot)` without looking at the pid, which may belong to anyone in this boot.
+pub fn liveness(pid: Pid, expected: &Fingerprint) -> Liveness {
+    if let Some(verdict) = check_boot(expected) {
+        return verdict;
+    }
+    match read_stat(pid) {
+        Ok(stat) => verdict(&stat, expected),
+        Err(ProcessError::NoSuchProcess { .. }) => Liveness::Dead(DeadReason::NoSuchProcess),
+        Err(err) => Liveness::Unknown(err.to_string()),
+    }
+}
+
+/// `Some(verdict)` when the boot id alone decides: another boot, or an unreadable boot id.
+pub(crate) fn check_boot(expected: &Fingerprint) -> Option<Liveness> {
+    match boot_id() {
+        Ok(id) if id == expected.boot_id => None,
+        Ok(_) => Some(Liveness::Dead(DeadReason::OtherBoot)),
+        Err(err) => Some(Liveness::Unknown(err.to_string())),
+    }
+}
+
+/// The verdict for a stat read in the current boot.
+pub(crate) fn verdict(stat: &ProcStat, expected: &Fingerprint) -> Liveness {
+    // Start time first: a zombie that is somebody else's says nothing about ours.
+    if stat.start_ticks != expected.start_ticks {
+        Liveness::Dead(DeadReason::Recycled)
+    } else if stat.is_zombie() {
+        Liveness::Dead(DeadReason::Zombie)
+    } else {
+        Liveness::Alive
+    }
+}
+
+/// Group liveness: true while any process other than a zombie has pgrp == pgid (scan
+/// /proc/*/stat; skip unreadable entries).
+pub fn group_alive(pgid: Pid) -> bool {
+    // Short-circuits on the first live member.
+    group_scan(pgid).next().is_some()
+}
+
+/// All live (non-zombie) pids in process group pgid.
+pub fn group_members(pgid: Pid) -> Vec<Pid> {
+    let mut pids: Vec<Pid> = group_scan(pgid).collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// Live members of `pgid`. pgid <= 0 names no group: 0 and -1 mean "mine" and "everyone" to
+/// kill(2), and must never be mistaken for a worker's group.
+fn group_scan(pgid: Pid) -> impl Iterator<Item = Pid> {
+    let stats = if pgid > 0 { all_stats() } else { None };
+    stats
+        .into_iter()
+        .flatten()
+        .filter(move |stat| stat.pgrp == pgid && !stat.is_zombie())
+        .map(|stat| stat.pid)
+}
+
+/// Every process's stat, skipping entries that vanish or cannot be read mid-scan; `None` when
+/// /proc itself cannot be listed.
+pub(crate) fn all_stats() -> Option<impl Iterator<Item = ProcStat>> {
+    let dir = match std::fs::read_dir("/proc") {
+        Ok(dir) => dir,
+        Err(err) => {
+            tracing::warn!(error = %err, "cannot list /proc");
+            return None;
+        }
+    };
+    Some(dir.filter_map(|entry| {
+        let pid: Pid = entry.ok()?.file_name().to_str()?.parse().ok()?;
+        read_stat(pid).ok()
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::process::fingerprint;
+    use crate::process::testutil::wait_until;
+
+    fn me() -> Pid {
+        std::process::id() as Pid
+    }
+
+    fn quick_child() -> std::process::Child {
+        Command::new("true")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn true")
+    }
+
+    #[test]
+    fn own_pid_is_alive() {
+        assert_eq!(liveness(me(), &fingerprint(me()).unwrap()), Liveness::Alive);
+    }
+
+    #[test]
+    fn zombie_then_reaped_child() {
+        let mut child = quick_child();
+        let pid = child.id() as Pid;
+        let fp = fingerprint(pid).unwrap();
+        // Not reaped yet: the exited child stays a zombie, which is dead, not alive.
+        assert!(
+            wait_until(Duration::from_secs(10), || liveness(pid, &fp)
+                == Liveness::Dead(DeadReason::Zombie)),
+            "child never became a zombie: {:?}",
+            liveness(pid, &fp)
+        );
+        child.wait().unwrap();
+        assert_eq!(liveness(pid, &fp), Liveness::Dead(DeadReason::NoSuchProcess));
+    }
+
+    #[test]
+    fn wrong_start_ticks_is_recycled() {
+        let mut fp = fingerprint(me()).unwrap();
+        fp.start_ticks += 1;
+        assert_eq!(liveness(me(), &fp), Liveness::Dead(DeadReason::Recycled));
+    }
+
+    #[test]
+    fn wrong_boot_id_is_other_boot_even_for_a_missing_pid() {
+        let mut fp = fingerprint(me()).unwrap();
+        fp.boot_id = "00000000-0000-0000-0000-000000000000".into();
+        assert_eq!(liveness(me(), &fp), Liveness::Dead(DeadReason::OtherBoot));
+        assert_eq!(
+            liveness(1 << 23, &fp),
+            Liveness::Dead(DeadReason::OtherBoot)
+        );
+    }
+
+    #[test]
+    fn dead_reason_names() {
+        let names: Vec<_> = [
+            DeadReason::NoSuchProcess,
+            DeadReason::Zombie,
+            DeadReason::OtherBoot,
+            DeadReason::Recycled,
+        ]
+        .iter()
+        .map(DeadReason::as_str)
+        .collect();
+        assert_eq!(
+            names,
+            ["no_such_process", "zombie", "other_boot", "pid_recycled"]
+        );
+    }
+
+    #[test]
+    fn group_of_a_spawned_leader_is_alive_until_it_is_killed() {
+        use std::os::unix::process::CommandExt;
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .expect("spawn sleep");
+        let pid = child.id() as Pid;
+        let alive = group_alive(pid);
+        let members = group_members(pid);
+        // End it by its own handle before asserting, so a failure leaves nothing behind.
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(alive);
+        assert_eq!(members, [pid]);
+        assert!(!group_alive(pid));
+    }
+
+    #[test]
+    fn bogus_groups_are_never_alive() {
+        assert!(!group_alive(0));
+        assert!(!group_alive(-1));
+        assert!(group_members(1 << 23).is_empty());
+    }
+}

@@ -1,0 +1,367 @@
+//! Thin safe wrappers over the pidfd syscalls, and the open-then-verify step.
+//!
+//! A pidfd refers to one `struct pid` in the kernel, not to a number: as long as we hold it, a
+//! signal sent through it reaches that process (or its group) or nobody, never a process that was
+//! later given the same pid.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
+use std::{io, ptr};
+
+use rustix::event::{PollFd, PollFlags, poll};
+use rustix::io::Errno;
+use rustix::process::{PidfdFlags, WaitId, WaitidOptions, pidfd_open, waitid};
+
+use super::liveness::{check_boot, verdict};
+use super::{DeadReason, Fingerprint, Liveness, Pid, ProcStat, ProcessError, Signal};
+use super::{group_alive, read_stat};
+
+/// `PIDFD_SIGNAL_PROCESS_GROUP` (Linux 6.9, include/uapi/linux/pidfd.h); not in libc 0.2 yet.
+const PIDFD_SIGNAL_PROCESS_GROUP: libc::c_uint = 4;
+
+/// An open pidfd. Holding it pins the identity: signals through it can never reach a recycled pid.
+#[derive(Debug)]
+pub struct PidFd {
+    fd: OwnedFd,
+    pid: Pid,
+}
+
+/// How a reaped child ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// It called exit with this code.
+    Code(i32),
+    /// It was killed by this signal number.
+    Signal(i32),
+}
+
+impl PidFd {
+    /// `pidfd_open(pid, 0)`; ESRCH (no such process) is [`ProcessError::NoSuchProcess`].
+    ///
+    /// The fd is close-on-exec (the kernel always sets it), so workers never inherit it.
+    pub fn open(pid: Pid) -> Result<PidFd, ProcessError> {
+        // 0 and negative pids have special meanings to kill(2) and none to pidfd_open.
+        let raw = rustix::process::Pid::from_raw(pid).ok_or_else(|| ProcessError::Io {
+            pid,
+            what: "pidfd_open",
+            source: io::Error::from_raw_os_error(libc::EINVAL),
+        })?;
+        let fd = pidfd_open(raw, PidfdFlags::empty())
+            .map_err(|errno| ProcessError::os(pid, "pidfd_open", errno.into()))?;
+        Ok(PidFd { fd, pid })
+    }
+
+    /// The pid this fd was opened for (in our pid namespace).
+    pub fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    /// Sends `sig` to the process only.
+    pub fn signal(&self, sig: Signal) -> Result<(), ProcessError> {
+        self.send_raw(sig as libc::c_int, 0, "pidfd_send_signal")
+    }
+
+    /// Sends `sig` to the process group whose id is this process's pid
+    /// (`PIDFD_SIGNAL_PROCESS_GROUP`).
+    ///
+    /// The kernel resolves the group from the `struct pid` this fd holds, so it works after the
+    /// leader exited or was reaped, for as long as any member lives, and can never reach a
+    /// recycled pid. ESRCH (no member left, zombies count as members) is
+    /// [`ProcessError::NoSuchProcess`].
+    pub fn signal_group(&self, sig: Signal) -> Result<(), ProcessError> {
+        self.send_raw(
+            sig as libc::c_int,
+            PIDFD_SIGNAL_PROCESS_GROUP,
+            "pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP)",
+        )
+    }
+
+    /// Whether the group still has any member, zombies included: signal 0 to the group, which
+    /// checks delivery without sending anything.
+    pub(crate) fn group_exists(&self) -> Result<bool, ProcessError> {
+        match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
+            Ok(()) => Ok(true),
+            Err(ProcessError::NoSuchProcess { .. }) => Ok(false),
+            Err(err) => Err(err),
+        }
+    }
+
+    fn send_raw(
+        &self,
+        sig: libc::c_int,
+        flags: libc::c_uint,
+        what: &'static str,
+    ) -> Result<(), ProcessError> {
+        // SAFETY: plain syscall on an fd we own; a null siginfo asks the kernel to fill in a
+        // SI_USER one, as kill(2) would.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.fd.as_raw_fd(),
+                sig,
+                ptr::null::<libc::siginfo_t>(),
+                flags,
+            )
+        };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(ProcessError::os(self.pid, what, io::Error::last_os_error()))
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit (the pidfd polls readable once it is a
+    /// zombie or reaped); true if it exited in time. Retries on EINTR with the time left.
+    pub fn wait_exit(&self, timeout: Duration) -> Result<bool, ProcessError> {
+        let start = Instant::now();
+        loop {
+            let left = timeout.saturating_sub(start.elapsed());
+            let mut fds = [PollFd::new(&self.fd, PollFlags::IN)];
+            match poll(&mut fds, poll_millis(left)) {
+                Ok(0) if left.is_zero() => return Ok(false),
+                // Woken before the deadline (or the timeout was clamped): poll again.
+                Ok(0) | Err(Errno::INTR) => continue,
+                Ok(_) if fds[0].revents().intersects(PollFlags::IN | PollFlags::HUP) => {
+                    return Ok(true);
+                }
+                Ok(_) => {
+                    return Err(ProcessError::Io {
+                        pid: self.pid,
+                        what: "poll(pidfd)",
+                        source: io::Error::other(format!(
+                            "unexpected poll events {:?}",
+                            fds[0].revents()
+                        )),
+                    });
+                }
+                Err(errno) => return Err(ProcessError::os(self.pid, "poll(pidfd)", errno.into())),
+            }
+        }
+    }
+
+    /// Borrows the fd, so an async runtime can watch it for readability (= exit).
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// `waitid(P_PIDFD, fd, WEXITED | WNOHANG)`: reaps the process if it has exited.
+    ///
+    /// Only meaningful for our own child: for any other process (or one already reaped) the
+    /// kernel answers ECHILD, returned as an error. `Ok(None)` means it has not exited yet.
+    pub fn try_reap(&self) -> Result<Option<ExitStatus>, ProcessError> {
+        let status = waitid(
+            WaitId::PidFd(self.fd.as_fd()),
+            WaitidOptions::EXITED | WaitidOptions::NOHANG,
+        )
+        .map_err(|errno| ProcessError::os(self.pid, "waitid(P_PIDFD)", errno.into()))?;
+        let Some(status) = status else {
+            return Ok(None);
+        };
+        if let (true, Some(code)) = (status.exited(), status.exit_status()) {
+            return Ok(Some(ExitStatus::Code(code as i32)));
+        }
+        if let Some(sig) = status.terminating_signal() {
+            return Ok(Some(ExitStatus::Signal(sig as i32)));
+        }
+        Err(ProcessError::Io {
+            pid: self.pid,
+            what: "waitid(P_PIDFD)",
+            source: io::Error::other("waitid reported neither an exit code nor a signal"),
+        })
+    }
+}
+
+impl AsFd for PidFd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+/// For runtimes that register raw fds (e.g. tokio's `AsyncFd`).
+impl AsRawFd for PidFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// poll(2) takes milliseconds as an i32: round up (so a sub-millisecond rest still sleeps rather
+/// than spinning) and clamp (the caller loops until the real deadline).
+fn poll_millis(left: Duration) -> i32 {
+    let micros = left.as_micros();
+    i32::try_from(micros.div_ceil(1000)).unwrap_or(i32::MAX)
+}
+
+/// The result of [`open_verified`].
+#[derive(Debug)]
+pub enum Verified {
+    /// The pidfd refers to the fingerprinted process: safe to signal through it.
+    Ours(PidFd),
+    /// Not provably the fingerprinted process; carries the verdict (Dead(..) or Unknown(..)).
+    /// Never signal it.
+    NotOurs(Liveness),
+}
+
+/// Opening a pidfd and re-verifying the fingerprint AFTER the fd is open closes the race where
+/// the pid is recycled between check and kill.
+///
+/// Why the order proves identity: the fingerprinted process held `pid` continuously from its
+/// start until the moment we read a matching start time, and the fd was opened inside that span,
+/// so the fd refers to it. Checking first and opening second would leave a window for the pid to
+/// be reaped and handed to a stranger.
+///
+/// A zombie is `NotOurs(Dead(Zombie))`, except a zombie group leader whose group still has live
+/// members: those are the worker's own descendants, reachable safely through this fd with
+/// [`PidFd::signal_group`], so it is `Ours`.
+pub fn open_verified(pid: Pid, expected: &Fingerprint) -> Result<Verified, ProcessError> {
+    Ok(match open_checked(pid, expected)? {
+        Checked::Ours { pidfd, .. } => Verified::Ours(pidfd),
+        Checked::NotOurs(verdict) => Verified::NotOurs(verdict),
+    })
+}
+
+/// [`open_verified`] that also returns the stat read for the verification, so callers can act
+/// on its fields (pgrp) without a second read that might see a recycled pid.
+pub(crate) enum Checked {
+    Ours { pidfd: PidFd, stat: ProcStat },
+    NotOurs(Liveness),
+}
+
+pub(crate) fn open_checked(pid: Pid, expected: &Fingerprint) -> Result<Checked, ProcessError> {
+    // Another boot: the pid belongs to someone of this boot; do not even open it.
+    if let Some(verdict) = check_boot(expected) {
+        return Ok(Checked::NotOurs(verdict));
+    }
+    let pidfd = match PidFd::open(pid) {
+        Ok(pidfd) => pidfd,
+        Err(ProcessError::NoSuchProcess { .. }) => {
+            return Ok(Checked::NotOurs(Liveness::Dead(DeadReason::NoSuchProcess)));
+        }
+        Err(err) => return Err(err),
+    };
+    // The fingerprint is read only now, with the fd open (see open_verified).
+    let stat = match read_stat(pid) {
+        Ok(stat) => stat,
+        Err(ProcessError::NoSuchProcess { .. }) => {
+            return Ok(Checked::NotOurs(Liveness::Dead(DeadReason::NoSuchProcess)));
+        }
+        Err(err) => return Ok(Checked::NotOurs(Liveness::Unknown(err.to_string()))),
+    };
+    match verdict(&stat, expected) {
+        Liveness::Alive => Ok(Checked::Ours { pidfd, stat }),
+        // While the leader is an unreaped zombie its pid cannot be reused, so the live members
+        // group_alive finds are its group's.
+        Liveness::Dead(DeadReason::Zombie) if stat.pgrp == pid && group_alive(pid) => {
+            Ok(Checked::Ours { pidfd, stat })
+        }
+        other => Ok(Checked::NotOurs(other)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::process::fingerprint;
+    use crate::process::testutil::{spawn_leader, wait_until};
+
+    #[test]
+    fn open_missing_pid_is_no_such_process() {
+        assert!(PidFd::open(1 << 23).unwrap_err().is_no_such_process());
+        assert!(!PidFd::open(0).unwrap_err().is_no_such_process());
+        assert!(!PidFd::open(-1).unwrap_err().is_no_such_process());
+    }
+
+    #[test]
+    fn wait_exit_signal_and_reap() {
+        let (pidfd, _guard) = spawn_leader("exec sleep 30");
+        assert_eq!(pidfd.try_reap().unwrap(), None);
+        assert!(!pidfd.wait_exit(Duration::from_millis(30)).unwrap());
+        pidfd.signal(Signal::SIGKILL).unwrap();
+        assert!(pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+        assert_eq!(
+            pidfd.try_reap().unwrap(),
+            Some(ExitStatus::Signal(libc::SIGKILL))
+        );
+        // Reaped: the group is empty, a second reap has no child to reap.
+        assert!(pidfd.signal_group(Signal::SIGTERM).unwrap_err().is_no_such_process());
+        assert!(!pidfd.group_exists().unwrap());
+        assert!(pidfd.try_reap().is_err());
+    }
+
+    #[test]
+    fn reap_reports_exit_code() {
+        let (pidfd, _guard) = spawn_leader("exit 3");
+        assert!(pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+        assert_eq!(pidfd.try_reap().unwrap(), Some(ExitStatus::Code(3)));
+    }
+
+    #[test]
+    fn open_verified_verdicts() {
+        let (pidfd, _guard) = spawn_leader("exec sleep 30");
+        let pid = pidfd.pid();
+        let fp = fingerprint(pid).unwrap();
+        assert!(matches!(open_verified(pid, &fp), Ok(Verified::Ours(fd)) if fd.pid() == pid));
+
+        let recycled = Fingerprint {
+            start_ticks: fp.start_ticks + 1,
+            ..fp.clone()
+        };
+        assert!(matches!(
+            open_verified(pid, &recycled),
+            Ok(Verified::NotOurs(Liveness::Dead(DeadReason::Recycled)))
+        ));
+        let other_boot = Fingerprint {
+            boot_id: "other".into(),
+            ..fp.clone()
+        };
+        assert!(matches!(
+            open_verified(pid, &other_boot),
+            Ok(Verified::NotOurs(Liveness::Dead(DeadReason::OtherBoot)))
+        ));
+        assert!(matches!(
+            open_verified(1 << 23, &fp),
+            Ok(Verified::NotOurs(Liveness::Dead(DeadReason::NoSuchProcess)))
+        ));
+
+        // An exited leader with nothing left in its group is a plain zombie: not ours to signal.
+        pidfd.signal(Signal::SIGKILL).unwrap();
+        assert!(pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+        assert!(matches!(
+            open_verified(pid, &fp),
+            Ok(Verified::NotOurs(Liveness::Dead(DeadReason::Zombie)))
+        ));
+    }
+
+    #[test]
+    fn zombie_leader_with_live_members_is_still_ours() {
+        let (pidfd, _guard) = spawn_leader("sleep 30 & exit 0");
+        let pid = pidfd.pid();
+        let fp = fingerprint(pid).unwrap();
+        assert!(pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+        assert!(wait_until(Duration::from_secs(10), || group_alive(pid)));
+        assert!(matches!(open_verified(pid, &fp), Ok(Verified::Ours(_))));
+        // The group is reachable through the zombie leader's pidfd.
+        pidfd.signal_group(Signal::SIGKILL).unwrap();
+        assert!(wait_until(Duration::from_secs(10), || !group_alive(pid)));
+        assert!(matches!(
+            open_verified(pid, &fp),
+            Ok(Verified::NotOurs(Liveness::Dead(DeadReason::Zombie)))
+        ));
+    }
+
+    #[test]
+    fn poll_millis_rounds_up_and_clamps() {
+        assert_eq!(poll_millis(Duration::ZERO), 0);
+        assert_eq!(poll_millis(Duration::from_micros(1)), 1);
+        assert_eq!(poll_millis(Duration::from_millis(15)), 15);
+        assert_eq!(poll_millis(Duration::from_secs(u64::MAX)), i32::MAX);
+    }
+
+    #[test]
+    fn group_kill_guard_is_harmless_after_exit() {
+        let (pidfd, guard) = spawn_leader("exit 0");
+        assert!(pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+        drop(guard);
+    }
+}

@@ -1,0 +1,238 @@
+//! Parsing of `/proc/<pid>/stat`.
+//!
+//! The line is `pid (comm) state ppid pgrp session … starttime …`. `comm` is chosen by the process
+//! itself (`prctl(PR_SET_NAME)`, the executable's name) and may contain spaces, parentheses and even
+//! `") ("`, so the only safe anchor is the *last* `)`: every field after it is a number or the
+//! one-letter state, none of which can contain a `)`.
+
+use std::io;
+
+use super::{Pid, ProcessError};
+
+/// Parsed fields of /proc/<pid>/stat we need.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcStat {
+    /// Field 1: the process id.
+    pub pid: Pid,
+    /// Field 2: the command name, without the surrounding parentheses.
+    pub comm: String,
+    /// Field 3: the state letter (`R`, `S`, `D`, `Z`, `X`, …).
+    pub state: char,
+    /// Field 4: the parent's pid.
+    pub ppid: Pid,
+    /// Field 5: the process group id.
+    pub pgrp: Pid,
+    /// Field 6: the session id.
+    pub session: Pid,
+    /// Field 22: start time after boot, in clock ticks. Together with the boot id it names one
+    /// process for the life of the machine, which a pid alone does not.
+    pub start_ticks: u64,
+}
+
+impl ProcStat {
+    /// True for a process that has exited: a zombie (`Z`) or one being torn down (`X`).
+    pub fn is_zombie(&self) -> bool {
+        matches!(self.state, 'Z' | 'X')
+    }
+}
+
+/// Fields after the closing `)` of comm, counted from field 3 (state).
+const STATE: usize = 0;
+const PPID: usize = 1;
+const PGRP: usize = 2;
+const SESSION: usize = 3;
+const STARTTIME: usize = 22 - 3;
+
+/// Parses one `/proc/<pid>/stat` line.
+pub fn parse_stat(text: &str) -> Result<ProcStat, ProcessError> {
+    let bad = |reason: String| ProcessError::Parse { pid: None, reason };
+    let open = text
+        .find('(')
+        .ok_or_else(|| bad("no '(' before comm".into()))?;
+    // The last ')' ends comm: whatever comm contains, nothing after it can be a ')'.
+    let close = text
+        .rfind(')')
+        .filter(|&close| close > open)
+        .ok_or_else(|| bad("no ')' after comm".into()))?;
+
+    let pid = parse_num(text[..open].trim(), "pid").map_err(bad)?;
+    let comm = text[open + 1..close].to_owned();
+    let fields: Vec<&str> = text[close + 1..].split_ascii_whitespace().collect();
+    if fields.len() <= STARTTIME {
+        return Err(bad(format!(
+            "truncated: {} fields after comm, need at least {}",
+            fields.len(),
+            STARTTIME + 1
+        )));
+    }
+
+    let mut state_chars = fields[STATE].chars();
+    let state = match (state_chars.next(), state_chars.next()) {
+        (Some(c), None) if c.is_ascii_alphabetic() => c,
+        _ => return Err(bad(format!("bad state {:?}", fields[STATE]))),
+    };
+
+    Ok(ProcStat {
+        pid,
+        comm,
+        state,
+        ppid: parse_num(fields[PPID], "ppid").map_err(bad)?,
+        pgrp: parse_num(fields[PGRP], "pgrp").map_err(bad)?,
+        session: parse_num(fields[SESSION], "session").map_err(bad)?,
+        start_ticks: parse_num(fields[STARTTIME], "starttime").map_err(bad)?,
+    })
+}
+
+fn parse_num<T: std::str::FromStr>(field: &str, name: &str) -> Result<T, String> {
+    field
+        .parse()
+        .map_err(|_| format!("{name} is not a number: {field:?}"))
+}
+
+/// Reads and parses `/proc/<pid>/stat`.
+///
+/// A pid that does not exist (or exits and is reaped while we read) is
+/// [`ProcessError::NoSuchProcess`]; every other failure is an error with its cause, never
+/// "no such process", because only a proven absence may be acted upon as one.
+pub fn read_stat(pid: Pid) -> Result<ProcStat, ProcessError> {
+    if pid <= 0 {
+        // /proc/0 and negative names do not exist; say so without touching the filesystem.
+        return Err(ProcessError::NoSuchProcess { pid });
+    }
+    let path = format!("/proc/{pid}/stat");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(err) if is_gone(&err) => return Err(ProcessError::NoSuchProcess { pid }),
+        Err(source) => {
+            return Err(ProcessError::Io {
+                pid,
+                what: "read /proc/<pid>/stat",
+                source,
+            });
+        }
+    };
+    parse_stat(&text).map_err(|err| match err {
+        ProcessError::Parse { reason, .. } => ProcessError::Parse {
+            pid: Some(pid),
+            reason,
+        },
+        other => other,
+    })
+}
+
+/// ENOENT: the /proc entry is gone; ESRCH: the task died between open and read.
+pub(crate) fn is_gone(err: &io::Error) -> bool {
+    matches!(err.raw_os_error(), Some(libc::ENOENT | libc::ESRCH))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A real line (from a `sleep`), with fields up to and past starttime.
+    fn line(comm: &str) -> String {
+        format!(
+            "4242 ({comm}) S 4200 4242 4100 34816 4242 4194304 110 0 0 0 0 0 0 0 20 0 1 0 \
+             987654 8699904 224 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0\n"
+        )
+    }
+
+    fn expect(comm: &str) -> ProcStat {
+        ProcStat {
+            pid: 4242,
+            comm: comm.into(),
+            state: 'S',
+            ppid: 4200,
+            pgrp: 4242,
+            session: 4100,
+            start_ticks: 987654,
+        }
+    }
+
+    #[test]
+    fn parses_a_normal_line() {
+        assert_eq!(parse_stat(&line("sleep")).unwrap(), expect("sleep"));
+    }
+
+    #[test]
+    fn comm_with_spaces() {
+        assert_eq!(parse_stat(&line("my worker")).unwrap(), expect("my worker"));
+    }
+
+    #[test]
+    fn comm_with_closing_paren() {
+        assert_eq!(parse_stat(&line("a)b")).unwrap(), expect("a)b"));
+        assert_eq!(parse_stat(&line(")")).unwrap(), expect(")"));
+    }
+
+    #[test]
+    fn comm_that_fakes_the_field_boundary() {
+        // A comm of ") (" would end comm early for a parser anchored on the first ')'.
+        assert_eq!(parse_stat(&line(") (")).unwrap(), expect(") ("));
+        assert_eq!(parse_stat(&line("x) Z 1 1 1 (")).unwrap(), expect("x) Z 1 1 1 ("));
+    }
+
+    #[test]
+    fn comm_with_opening_parens() {
+        assert_eq!(parse_stat(&line("((")).unwrap(), expect("(("));
+        assert_eq!(parse_stat(&line("")).unwrap(), expect(""));
+    }
+
+    #[test]
+    fn parses_zombie_state() {
+        let text = line("sh").replacen(") S ", ") Z ", 1);
+        let stat = parse_stat(&text).unwrap();
+        assert_eq!(stat.state, 'Z');
+        assert!(stat.is_zombie());
+    }
+
+    #[test]
+    fn truncated_line_is_an_error() {
+        let full = line("sleep");
+        // Cut inside the fields before starttime.
+        let cut = &full[..full.find(" 987654").unwrap()];
+        assert!(matches!(parse_stat(cut), Err(ProcessError::Parse { .. })));
+        // Cut inside comm: no ')' at all.
+        assert!(matches!(
+            parse_stat("4242 (sle"),
+            Err(ProcessError::Parse { .. })
+        ));
+        assert!(matches!(parse_stat(""), Err(ProcessError::Parse { .. })));
+    }
+
+    #[test]
+    fn non_number_field_is_an_error() {
+        let text = line("sleep").replacen(" 987654 ", " 98x654 ", 1);
+        let err = parse_stat(&text).unwrap_err();
+        assert!(err.to_string().contains("starttime"), "{err}");
+        let text = line("sleep").replacen(" 4200 ", " -x ", 1);
+        assert!(matches!(parse_stat(&text), Err(ProcessError::Parse { .. })));
+        let text = line("sleep").replacen("4242 (", "42a (", 1);
+        assert!(matches!(parse_stat(&text), Err(ProcessError::Parse { .. })));
+        let text = line("sleep").replacen(") S ", ") SS ", 1);
+        assert!(matches!(parse_stat(&text), Err(ProcessError::Parse { .. })));
+    }
+
+    #[test]
+    fn reads_own_stat() {
+        let me = std::process::id() as Pid;
+        let stat = read_stat(me).unwrap();
+        assert_eq!(stat.pid, me);
+        assert!(stat.start_ticks > 0);
+        assert!(!stat.is_zombie());
+    }
+
+    #[test]
+    fn missing_pid_is_no_such_process() {
+        assert!(matches!(
+            read_stat(0),
+            Err(ProcessError::NoSuchProcess { pid: 0 })
+        ));
+        // Above the largest possible pid_max (2^22), so it can never exist.
+        let absent = 1 << 23;
+        assert!(matches!(
+            read_stat(absent),
+            Err(ProcessError::NoSuchProcess { .. })
+        ));
+    }
+}

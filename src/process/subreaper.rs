@@ -1,0 +1,85 @@
+//! Adopting and reaping orphaned descendants of workers.
+//!
+//! A worker's descendant that left the worker's process group (`setsid`, `setpgid`) escapes the
+//! group signal. As a child subreaper the supervisor becomes the parent of such a descendant once
+//! its own parent exits, so it is never lost to init; and since nobody else will wait for it, its
+//! zombie must be reaped here or it pins a pid (and a process-table slot) forever.
+
+use nix::errno::Errno;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+
+use super::liveness::all_stats;
+use super::{Pid, ProcessError};
+
+/// Make this process a child subreaper (prctl PR_SET_CHILD_SUBREAPER) so orphaned descendants of
+/// workers re-parent to us.
+pub fn become_subreaper() -> Result<(), ProcessError> {
+    rustix::process::set_child_subreaper(Some(rustix::process::getpid())).map_err(|errno| {
+        ProcessError::System {
+            what: "prctl(PR_SET_CHILD_SUBREAPER)",
+            source: errno.into(),
+        }
+    })
+}
+
+/// Reap every zombie child of ours whose pid is not in `keep` (our live workers, reaped by their
+/// owners): scans /proc/*/stat for ppid == getpid() && state == 'Z', then waitpid(that pid,
+/// WNOHANG). Returns the reaped pids.
+///
+/// `keep(pid)` must be true for every child that something else will wait for (a worker's
+/// `Child`, any other `Command` the process runs): reaping it here would steal its exit status.
+pub fn reap_orphans(keep: &dyn Fn(Pid) -> bool) -> Vec<Pid> {
+    let me = std::process::id() as Pid;
+    let Some(stats) = all_stats() else {
+        return Vec::new();
+    };
+    let orphans: Vec<Pid> = stats
+        .filter(|stat| stat.ppid == me && stat.is_zombie())
+        .map(|stat| stat.pid)
+        .filter(|&pid| !keep(pid))
+        .collect();
+
+    let mut reaped = Vec::new();
+    for pid in orphans {
+        // WNOHANG: if the pid was reaped elsewhere and reused by a live child meanwhile, this
+        // returns at once instead of blocking on it. __WALL: also reap clone children whose exit
+        // signal is not SIGCHLD.
+        match waitpid(
+            nix::unistd::Pid::from_raw(pid),
+            Some(WaitPidFlag::WNOHANG | WaitPidFlag::__WALL),
+        ) {
+            Ok(WaitStatus::StillAlive) => {}
+            Ok(status) => {
+                tracing::debug!(pid, ?status, "reaped orphaned descendant");
+                reaped.push(pid);
+            }
+            // Reaped by someone else between the scan and now.
+            Err(Errno::ECHILD) => {}
+            Err(err) => tracing::warn!(pid, error = %err, "cannot reap orphaned descendant"),
+        }
+    }
+    reaped
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::process::read_stat;
+    use crate::process::testutil::wait_until;
+
+    #[test]
+    fn reaps_a_zombie_child_not_kept_and_spares_kept_ones() {
+        let child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as Pid;
+        assert!(wait_until(Duration::from_secs(10), || {
+            read_stat(pid).is_ok_and(|stat| stat.is_zombie())
+        }));
+        // Tests run in parallel threads of this process: keep every child but this one.
+        assert_eq!(reap_orphans(&|_| true), Vec::<Pid>::new());
+        assert!(read_stat(pid).is_ok_and(|stat| stat.is_zombie()));
+        assert_eq!(reap_orphans(&|other| other != pid), [pid]);
+        assert!(read_stat(pid).unwrap_err().is_no_such_process());
+    }
+}

@@ -1,0 +1,274 @@
+//! Starting and stopping the whole runtime: lock, board, actors, (control socket), signals.
+//!
+//! Two entry points share one boot sequence: [`run`] drives a supervisor on the calling
+//! thread until a shutdown future resolves (what `runwarden serve` does), and
+//! [`Supervisor::start`] runs one on a thread of its own and hands back a
+//! [`SupervisorHandle`] (embedding, tests).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::actors::dispatcher::{DispatcherActor, LiveWorkers, StopDispatching};
+use crate::actors::reaper::{ReaperActor, SweepNow};
+use crate::actors::store::{Flush, Store, StoreActor, StoreError};
+use crate::board::{self, Created, NewTask, OpenOptions, RunId, Task, TaskDetail, TaskId};
+use crate::config::{Config, ShutdownMode, Synchronous};
+use crate::lock::{LockError, LockFile};
+use crate::process;
+
+/// Why the supervisor could not start or an embedded call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    #[error(transparent)]
+    Lock(#[from] LockError),
+    #[error("cannot create {path}: {source}")]
+    Dir {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Board(#[from] board::BoardError),
+    #[error("{0}")]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Runtime(String),
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+}
+
+/// The running actors and the resources they share.
+#[derive(Clone)]
+pub struct Services {
+    pub config: Arc<Config>,
+    pub store: Store,
+    pub dispatcher: Addr<DispatcherActor>,
+    pub reaper: Addr<ReaperActor>,
+    pub started_at: Instant,
+}
+
+impl Services {
+    /// Live workers of this incarnation: (run, task, pid).
+    pub async fn live_workers(&self) -> Vec<(RunId, TaskId, Option<i32>)> {
+        self.dispatcher.send(LiveWorkers).await.unwrap_or_default()
+    }
+
+    /// Runs the terminal-reaper sweep now.
+    pub async fn reap_now(&self) {
+        let _ = self.reaper.send(SweepNow).await;
+    }
+}
+
+struct Booted {
+    services: Services,
+    _lock: LockFile,
+}
+
+fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
+    for dir in [
+        config.supervisor.data_dir.clone(),
+        config.logs_dir(),
+        config.work_dir(),
+    ] {
+        std::fs::create_dir_all(&dir).map_err(|source| SupervisorError::Dir { path: dir.clone(), source })?;
+    }
+    Ok(())
+}
+
+/// Boots inside a running actix system.
+fn boot(config: Config) -> Result<Booted, SupervisorError> {
+    create_dirs(&config)?;
+    let lock = LockFile::acquire(&config.lock_path())?;
+    // Orphaned descendants of workers re-parent to us instead of init, so they can be found
+    // and ended with their worker, and their zombies collected.
+    if let Err(e) = process::become_subreaper() {
+        tracing::warn!(error = %e, "cannot become a child subreaper; escaped descendants may leak");
+    }
+    let config = Arc::new(config);
+    let store = StoreActor::start_on(
+        config.db_path(),
+        OpenOptions {
+            synchronous_full: config.supervisor.synchronous == Synchronous::Full,
+            read_only: false,
+        },
+    )?;
+    let reaper = ReaperActor::new(
+        store.clone(),
+        config.reaper.grace,
+        config.reaper.kill_timeout,
+        config.supervisor.tick,
+    )
+    .start();
+    let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone()).start();
+    tracing::info!(
+        data_dir = %config.supervisor.data_dir.display(),
+        pid = std::process::id(),
+        "supervisor started"
+    );
+    Ok(Booted {
+        services: Services {
+            config,
+            store,
+            dispatcher,
+            reaper,
+            started_at: Instant::now(),
+        },
+        _lock: lock,
+    })
+}
+
+/// Graceful stop: stop claiming (ending workers if configured), flush the store.
+async fn stop(services: &Services) {
+    let terminate = services.config.supervisor.shutdown == ShutdownMode::Terminate;
+    let _ = services.dispatcher.send(StopDispatching { terminate }).await;
+    let _ = services.store.addr.send(Flush).await;
+    tracing::info!("supervisor stopped");
+}
+
+/// Runs a supervisor on the calling thread until `shutdown` resolves, then stops gracefully.
+/// `ready` is called once the supervisor is up (with its services).
+pub fn run<F, Fut>(config: Config, ready: F, shutdown: Fut) -> Result<(), SupervisorError>
+where
+    F: FnOnce(&Services) + 'static,
+    Fut: Future<Output = ()> + 'static,
+{
+    let system = System::new();
+    let result = system.block_on(async move {
+        let booted = boot(config)?;
+        ready(&booted.services);
+        shutdown.await;
+        stop(&booted.services).await;
+        drop(booted);
+        Ok(())
+    });
+    System::current().stop();
+    let _ = system.run();
+    result
+}
+
+/// An in-process supervisor, for embedding.
+pub struct Supervisor;
+
+impl Supervisor {
+    /// Starts a supervisor for `config` on a thread of its own. Fails if it cannot start
+    /// (lock held, board unreadable, …).
+    pub fn start(config: Config) -> Result<SupervisorHandle, SupervisorError> {
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let ready_err = ready_tx.clone();
+        let thread = thread::Builder::new()
+            .name("runwarden-supervisor".into())
+            .spawn(move || {
+                let res = run(
+                    config,
+                    move |s| {
+                        let _ = ready_tx.send(Ok(s.clone()));
+                    },
+                    async move {
+                        let _ = stop_rx.await;
+                    },
+                );
+                if let Err(e) = res {
+                    let _ = ready_err.send(Err(e));
+                }
+            })
+            .map_err(|e| SupervisorError::Runtime(format!("cannot start supervisor thread: {e}")))?;
+        match ready_rx.recv() {
+            Ok(Ok(services)) => Ok(SupervisorHandle {
+                services,
+                stop: Some(stop_tx),
+                thread: Some(thread),
+            }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err(SupervisorError::Runtime("supervisor thread died while starting".into()))
+            }
+        }
+    }
+}
+
+/// A running in-process supervisor. Dropping it shuts the supervisor down.
+pub struct SupervisorHandle {
+    services: Services,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl SupervisorHandle {
+    /// The running services (store, actors, config).
+    pub fn services(&self) -> &Services {
+        &self.services
+    }
+
+    /// Adds a task; it is dispatched at once if an assignee slot is free.
+    pub fn add_task(&self, new: NewTask) -> Result<Created, SupervisorError> {
+        block_on(self.services.store.with_tx(move |tx, now| tx.create_task(&new, now)))
+            .map_err(Into::into)
+    }
+
+    /// A task with its runs, events and comments.
+    pub fn task(&self, id: TaskId) -> Result<TaskDetail, SupervisorError> {
+        Ok(self.services.store.read_blocking(move |tx| tx.task_detail(id, 200))?)
+    }
+
+    /// Waits until the task is `done`, `blocked` or `archived` (or `timeout` passes).
+    pub fn wait_for(&self, id: TaskId, timeout: Duration) -> Result<Task, SupervisorError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let task = self.services.store.read_blocking(move |tx| tx.get_task(id))?;
+            if matches!(
+                task.status,
+                board::TaskStatus::Done | board::TaskStatus::Blocked | board::TaskStatus::Archived
+            ) {
+                return Ok(task);
+            }
+            if Instant::now() >= deadline {
+                return Err(SupervisorError::Timeout(timeout));
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Marks a task done from the library (what a worker would report over the socket).
+    pub fn complete(&self, id: TaskId, result: Option<String>) -> Result<(), SupervisorError> {
+        block_on(
+            self.services
+                .store
+                .with_tx(move |tx, now| tx.complete_task(id, None, result.as_deref(), now).map(|_| ())),
+        )
+        .map_err(Into::into)
+    }
+
+    /// Stops the supervisor gracefully and waits for it.
+    pub fn shutdown(mut self) {
+        self.stop_and_join();
+    }
+
+    fn stop_and_join(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for SupervisorHandle {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+/// Drives a future from a thread outside the actor system (actix addresses are thread-safe).
+fn block_on<F: Future>(f: F) -> F::Output {
+    futures::executor::block_on(f)
+}

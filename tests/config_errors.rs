@@ -1,0 +1,220 @@
+//! A config mistake is refused at load with one line that names the key — never silently
+//! replaced by a default — and the shipped `config.toml` loads as it is.
+
+use std::path::{Path, PathBuf};
+
+use runwarden::config::*;
+
+/// The message of a refused inline config, checked to be on one line.
+fn refused(text: &str) -> String {
+    match Config::from_toml_str(text, Path::new("/tmp")) {
+        Ok(config) => panic!("config was accepted: {config:?}\n---\n{text}"),
+        Err(ConfigError::Invalid { path, message }) => {
+            assert_eq!(path, Path::new("<inline>"));
+            assert!(!message.is_empty());
+            assert!(
+                !message.contains('\n'),
+                "message is not one line: {message:?}"
+            );
+            message
+        }
+        Err(other) => panic!("expected ConfigError::Invalid, got {other:?}"),
+    }
+}
+
+/// A minimal valid assignee, so each test changes exactly one thing.
+const CODER: &str = "[assignees.coder]\ncommand = [\"true\"]\n";
+
+#[test]
+fn shipped_config_loads_with_two_assignees() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config.toml");
+    let config = Config::load(&path).expect("the shipped config.toml must load");
+    assert_eq!(config.path.as_deref(), Some(path.as_path()));
+    assert_eq!(config.assignees.len(), 2, "{:?}", config.assignees.keys());
+    // Data goes under ./.runwarden/ next to the file, as `cargo run -- serve` promises.
+    let data_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(".runwarden");
+    assert_eq!(config.supervisor.data_dir, data_dir);
+    assert_eq!(config.socket_path(), data_dir.join("control.sock"));
+    assert_eq!(config.db_path(), data_dir.join("board.db"));
+    for (name, assignee) in &config.assignees {
+        assert!(!assignee.command.is_empty(), "{name}");
+        assert_eq!(config.assignee(name), Some(assignee));
+    }
+    let reviewer = config.assignee("reviewer").expect("reviewer assignee");
+    assert_eq!(reviewer.max_in_progress, 1);
+    assert_eq!(
+        reviewer.max_runtime,
+        Some(std::time::Duration::from_secs(600))
+    );
+}
+
+#[test]
+fn unknown_top_level_key_is_named() {
+    let message = refused("[supervisr]\ntick = \"1s\"\n");
+    assert!(message.contains("unknown key `supervisr`"), "{message}");
+    assert!(message.contains("top level"), "{message}");
+    assert!(message.contains("line 1"), "{message}");
+}
+
+#[test]
+fn unknown_supervisor_key_is_named_with_its_section() {
+    let message = refused("[supervisor]\ntick = \"1s\"\nmax_in_progres = 4\n");
+    assert!(
+        message.contains("unknown key `max_in_progres` in [supervisor]"),
+        "{message}"
+    );
+    assert!(
+        message.contains("max_in_progress"),
+        "the expected keys are listed: {message}"
+    );
+    assert!(message.contains("line 3"), "{message}");
+}
+
+#[test]
+fn unknown_assignee_key_is_named_with_its_section() {
+    let message = refused(&format!("{CODER}max_runtme = \"1h\"\n"));
+    assert!(
+        message.contains("unknown key `max_runtme` in [assignees.coder]"),
+        "{message}"
+    );
+    assert!(message.contains("line 3"), "{message}");
+}
+
+#[test]
+fn bad_duration_names_the_key() {
+    let message = refused("[reaper]\ngrace = \"5 parsecs\"\n");
+    assert!(message.contains("[reaper] grace"), "{message}");
+    assert!(message.contains("5 parsecs"), "{message}");
+    assert!(message.contains("line 2"), "{message}");
+
+    let message = refused(&format!("{CODER}max_runtime = \"5 parsecs\"\n"));
+    assert!(
+        message.contains("[assignees.coder] max_runtime"),
+        "{message}"
+    );
+}
+
+#[test]
+fn wrong_type_names_the_key() {
+    let message = refused("[supervisor]\nmax_in_progress = \"8\"\n");
+    assert!(
+        message.contains("[supervisor] max_in_progress"),
+        "{message}"
+    );
+    assert!(message.contains("integer"), "{message}");
+}
+
+#[test]
+fn zero_max_in_progress_is_refused() {
+    let message = refused("[supervisor]\nmax_in_progress = 0\n");
+    assert!(
+        message.contains("[supervisor] max_in_progress"),
+        "{message}"
+    );
+    assert!(message.contains("at least 1"), "{message}");
+
+    let message = refused(&format!("{CODER}max_in_progress = 0\n"));
+    assert!(
+        message.contains("[assignees.coder] max_in_progress"),
+        "{message}"
+    );
+}
+
+#[test]
+fn zero_tick_is_refused() {
+    let message = refused("[supervisor]\ntick = \"0s\"\n");
+    assert!(message.contains("[supervisor] tick"), "{message}");
+}
+
+#[test]
+fn empty_command_is_refused() {
+    let message = refused("[assignees.coder]\ncommand = []\n");
+    assert!(
+        message.contains("[assignees.coder] command: must not be empty"),
+        "{message}"
+    );
+
+    let message = refused("[assignees.coder]\nmax_in_progress = 1\n");
+    assert!(message.contains("missing key `command`"), "{message}");
+    assert!(message.contains("[assignees.coder]"), "{message}");
+}
+
+#[test]
+fn unknown_user_is_refused_naming_user() {
+    let message = refused(&format!("{CODER}user = \"no-such-user-for-runwarden\"\n"));
+    assert!(message.contains("[assignees.coder] user"), "{message}");
+    assert!(message.contains("no-such-user-for-runwarden"), "{message}");
+
+    let message = refused(&format!("{CODER}group = \"no-such-group-for-runwarden\"\n"));
+    assert!(message.contains("[assignees.coder] group"), "{message}");
+}
+
+#[test]
+fn unknown_rlimit_is_refused() {
+    let message = refused(&format!(
+        "{CODER}rlimits = {{ nofile = 1024, files = 10 }}\n"
+    ));
+    assert!(message.contains("rlimits"), "{message}");
+    assert!(message.contains("`files`"), "{message}");
+    assert!(
+        message.contains("nofile"),
+        "the accepted names are listed: {message}"
+    );
+}
+
+#[test]
+fn bad_assignee_name_is_refused() {
+    let message = refused("[assignees.\"co der\"]\ncommand = [\"true\"]\n");
+    assert!(message.contains("invalid assignee name"), "{message}");
+}
+
+#[test]
+fn umask_out_of_range_is_refused() {
+    let message = refused(&format!("{CODER}umask = \"0999\"\n"));
+    assert!(message.contains("[assignees.coder] umask"), "{message}");
+    let message = refused(&format!("{CODER}umask = 0o1777\n"));
+    assert!(message.contains("[assignees.coder] umask"), "{message}");
+}
+
+#[test]
+fn missing_file_is_a_read_error_naming_the_path() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path: PathBuf = dir.path().join("absent.toml");
+    match Config::load(&path) {
+        Err(ConfigError::Read {
+            path: named,
+            source,
+        }) => {
+            assert_eq!(named, path);
+            assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+        }
+        other => panic!("expected ConfigError::Read, got {other:?}"),
+    }
+    let shown = Config::load(&path).unwrap_err().to_string();
+    assert!(shown.contains(&path.display().to_string()), "{shown}");
+}
+
+#[test]
+fn malformed_toml_is_one_line_with_its_position() {
+    let message = refused("[supervisor]\ntick = \"1s\"\nmax_in_progress = = 3\n");
+    assert!(message.contains("line 3"), "{message}");
+    assert!(message.contains("column"), "{message}");
+
+    let message = refused("[supervisor\n");
+    assert!(message.contains("line 1"), "{message}");
+}
+
+#[test]
+fn errors_from_a_file_name_the_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, "[control]\nbogus = 1\n").expect("write");
+    let shown = Config::load(&path).unwrap_err().to_string();
+    assert!(shown.starts_with("invalid config "), "{shown}");
+    assert!(shown.contains(&path.display().to_string()), "{shown}");
+    assert!(
+        shown.contains("unknown key `bogus` in [control]"),
+        "{shown}"
+    );
+    assert!(!shown.contains('\n'), "{shown}");
+}
