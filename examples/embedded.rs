@@ -15,7 +15,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = Config::with_data_dir(&dir);
     config.reaper.grace = Duration::from_millis(500);
     // A worker that succeeds by exiting 0 (on_exit_zero = "complete" is the default).
-    let mut shell = AssigneeConfig::new(["sh", "-c", "echo \"working on $RUNWARDEN_TASK_TITLE\"; sleep 0.2"]);
+    let mut shell = AssigneeConfig::new([
+        "sh",
+        "-c",
+        "echo \"working on $RUNWARDEN_TASK_TITLE\"; sleep 0.2",
+    ]);
     shell.max_in_progress = 2;
     config.assignees.insert("shell".into(), shell);
     // A worker that fails: its task is retried, then blocked.
@@ -27,9 +31,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let supervisor = Supervisor::start(config)?;
     let mut ids = Vec::new();
     for title in ["fetch sources", "build", "write report"] {
-        ids.push(supervisor.add_task(NewTask::titled(title).for_assignee("shell"))?.id);
+        ids.push(
+            supervisor
+                .add_task(NewTask::titled(title).for_assignee("shell"))?
+                .id,
+        );
     }
-    ids.push(supervisor.add_task(NewTask::titled("doomed").for_assignee("flaky"))?.id);
+    ids.push(
+        supervisor
+            .add_task(NewTask::titled("doomed").for_assignee("flaky"))?
+            .id,
+    );
 
     for id in ids {
         let task = supervisor.wait_for(id, Duration::from_secs(30))?;

@@ -50,7 +50,11 @@ impl LockFile {
             let pid = pid.trim();
             return Err(LockError::Held {
                 path: path.to_path_buf(),
-                pid: if pid.is_empty() { "unknown".into() } else { pid.to_string() },
+                pid: if pid.is_empty() {
+                    "unknown".into()
+                } else {
+                    pid.to_string()
+                },
             });
         }
         file.set_len(0).map_err(io)?;

@@ -74,7 +74,10 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
         config.logs_dir(),
         config.work_dir(),
     ] {
-        std::fs::create_dir_all(&dir).map_err(|source| SupervisorError::Dir { path: dir.clone(), source })?;
+        std::fs::create_dir_all(&dir).map_err(|source| SupervisorError::Dir {
+            path: dir.clone(),
+            source,
+        })?;
     }
     Ok(())
 }
@@ -124,7 +127,10 @@ fn boot(config: Config) -> Result<Booted, SupervisorError> {
 /// Graceful stop: stop claiming (ending workers if configured), flush the store.
 async fn stop(services: &Services) {
     let terminate = services.config.supervisor.shutdown == ShutdownMode::Terminate;
-    let _ = services.dispatcher.send(StopDispatching { terminate }).await;
+    let _ = services
+        .dispatcher
+        .send(StopDispatching { terminate })
+        .await;
     let _ = services.store.addr.send(Flush).await;
     tracing::info!("supervisor stopped");
 }
@@ -176,7 +182,9 @@ impl Supervisor {
                     let _ = ready_err.send(Err(e));
                 }
             })
-            .map_err(|e| SupervisorError::Runtime(format!("cannot start supervisor thread: {e}")))?;
+            .map_err(|e| {
+                SupervisorError::Runtime(format!("cannot start supervisor thread: {e}"))
+            })?;
         match ready_rx.recv() {
             Ok(Ok(services)) => Ok(SupervisorHandle {
                 services,
@@ -189,7 +197,9 @@ impl Supervisor {
             }
             Err(_) => {
                 let _ = thread.join();
-                Err(SupervisorError::Runtime("supervisor thread died while starting".into()))
+                Err(SupervisorError::Runtime(
+                    "supervisor thread died while starting".into(),
+                ))
             }
         }
     }
@@ -210,20 +220,30 @@ impl SupervisorHandle {
 
     /// Adds a task; it is dispatched at once if an assignee slot is free.
     pub fn add_task(&self, new: NewTask) -> Result<Created, SupervisorError> {
-        block_on(self.services.store.with_tx(move |tx, now| tx.create_task(&new, now)))
-            .map_err(Into::into)
+        block_on(
+            self.services
+                .store
+                .with_tx(move |tx, now| tx.create_task(&new, now)),
+        )
+        .map_err(Into::into)
     }
 
     /// A task with its runs, events and comments.
     pub fn task(&self, id: TaskId) -> Result<TaskDetail, SupervisorError> {
-        Ok(self.services.store.read_blocking(move |tx| tx.task_detail(id, 200))?)
+        Ok(self
+            .services
+            .store
+            .read_blocking(move |tx| tx.task_detail(id, 200))?)
     }
 
     /// Waits until the task is `done`, `blocked` or `archived` (or `timeout` passes).
     pub fn wait_for(&self, id: TaskId, timeout: Duration) -> Result<Task, SupervisorError> {
         let deadline = Instant::now() + timeout;
         loop {
-            let task = self.services.store.read_blocking(move |tx| tx.get_task(id))?;
+            let task = self
+                .services
+                .store
+                .read_blocking(move |tx| tx.get_task(id))?;
             if matches!(
                 task.status,
                 board::TaskStatus::Done | board::TaskStatus::Blocked | board::TaskStatus::Archived
@@ -239,11 +259,10 @@ impl SupervisorHandle {
 
     /// Marks a task done from the library (what a worker would report over the socket).
     pub fn complete(&self, id: TaskId, result: Option<String>) -> Result<(), SupervisorError> {
-        block_on(
-            self.services
-                .store
-                .with_tx(move |tx, now| tx.complete_task(id, None, result.as_deref(), now).map(|_| ())),
-        )
+        block_on(self.services.store.with_tx(move |tx, now| {
+            tx.complete_task(id, None, result.as_deref(), now)
+                .map(|_| ())
+        }))
         .map_err(Into::into)
     }
 

@@ -22,7 +22,13 @@ use crate::config::Config;
 use crate::process::{self, Fingerprint};
 
 /// Board events that never change what can be claimed.
-const QUIET_KINDS: &[&str] = &["heartbeat", "worker_spawned", "commented", "claimed", "worker_exited"];
+const QUIET_KINDS: &[&str] = &[
+    "heartbeat",
+    "worker_spawned",
+    "commented",
+    "claimed",
+    "worker_exited",
+];
 
 /// Run a dispatch pass now.
 #[derive(Message)]
@@ -82,6 +88,13 @@ pub struct DispatcherActor {
     in_pass: bool,
     again: bool,
     accepting: bool,
+    /// Open runs of a previous incarnation whose worker's liveness is Unknown (or that have no
+    /// fingerprint): held, never signalled, re-checked every tick. Value: deferral recorded.
+    held: HashMap<RunId, bool>,
+    /// Runs of a previous incarnation whose closing or release has been sent to the store.
+    closing: std::collections::HashSet<RunId>,
+    reconciling: bool,
+    last_lease_refresh: Option<std::time::Instant>,
 }
 
 impl DispatcherActor {
@@ -93,7 +106,12 @@ impl DispatcherActor {
             .map(|(name, a)| (name.clone(), a.max_in_progress))
             .collect();
         DispatcherActor {
-            claimer: format!("runwarden:{}", std::process::id()),
+            // Unique per incarnation even if a later one gets the same pid.
+            claimer: format!(
+                "runwarden:{}:{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            ),
             config,
             store,
             reaper,
@@ -102,6 +120,10 @@ impl DispatcherActor {
             in_pass: false,
             again: false,
             accepting: true,
+            held: HashMap::new(),
+            closing: Default::default(),
+            reconciling: false,
+            last_lease_refresh: None,
         }
     }
 
@@ -123,15 +145,27 @@ impl DispatcherActor {
             store
                 .with_tx(move |tx, now| {
                     let candidates = tx.ready_candidates(now, max.saturating_mul(4).max(64))?;
-                    let plan = board::plan_claims(&candidates, &tx.open_runs_by_assignee()?, max, &caps, max)?;
+                    let plan = board::plan_claims(
+                        &candidates,
+                        &tx.open_runs_by_assignee()?,
+                        max,
+                        &caps,
+                        max,
+                    )?;
                     let mut claimed = Vec::new();
                     for id in plan {
                         match tx.nested(|tx| tx.claim_task(id, &claimer, now, lease)) {
                             Ok(claim) => {
-                                let task = candidates.iter().find(|t| t.id == id).cloned().expect("planned from candidates");
+                                let task = candidates
+                                    .iter()
+                                    .find(|t| t.id == id)
+                                    .cloned()
+                                    .expect("planned from candidates");
                                 claimed.push((claim, task));
                             }
-                            Err(e) => tracing::debug!(task_id = id, error = %e, "dispatch: claim refused"),
+                            Err(e) => {
+                                tracing::debug!(task_id = id, error = %e, "dispatch: claim refused")
+                            }
                         }
                     }
                     Ok(claimed)
@@ -157,17 +191,47 @@ impl DispatcherActor {
     }
 
     fn start_worker(&mut self, claim: Claim, task: Task, ctx: &mut Context<Self>) {
+        let Some((spec, policy, max_runtime)) = self.worker_setup(&task, claim.run_id, claim.token)
+        else {
+            return;
+        };
+        let worker = WorkerActor::new(
+            spec,
+            policy,
+            max_runtime,
+            self.config.reaper.kill_timeout,
+            self.store.clone(),
+            ctx.address(),
+        )
+        .start();
+        self.workers.insert(
+            claim.run_id,
+            Worker {
+                addr: worker,
+                task_id: task.id,
+                pid: None,
+            },
+        );
+    }
+
+    /// Spawn spec, exit policy and max runtime of a run of `task` under the current config.
+    fn worker_setup(
+        &self,
+        task: &Task,
+        run_id: RunId,
+        token: String,
+    ) -> Option<(SpawnSpec, ExitPolicy, Option<Duration>)> {
         let config = &self.config;
         let name = task.assignee.clone().unwrap_or_default();
         let Some(assignee) = config.assignee(&name) else {
-            // plan_claims only plans known assignees; a config reload could change that.
-            tracing::error!(task_id = task.id, assignee = %name, "dispatch: claimed a task with no such assignee");
-            return;
+            // plan_claims only plans known assignees; a config change across a restart can.
+            tracing::error!(task_id = task.id, assignee = %name, "dispatch: run of a task with no such assignee");
+            return None;
         };
         let spec = SpawnSpec {
-            run_id: claim.run_id,
+            run_id,
             task_id: task.id,
-            token: claim.token,
+            token,
             title: task.title.clone(),
             argv: assignee.command.clone(),
             env: assignee.env.clone(),
@@ -189,23 +253,7 @@ impl DispatcherActor {
             .map(|ms| Duration::from_millis(ms as u64))
             .or(assignee.max_runtime)
             .filter(|d| !d.is_zero());
-        let worker = WorkerActor::new(
-            spec,
-            ExitPolicy::new(config, assignee),
-            max_runtime,
-            config.reaper.kill_timeout,
-            self.store.clone(),
-            ctx.address(),
-        )
-        .start();
-        self.workers.insert(
-            claim.run_id,
-            Worker {
-                addr: worker,
-                task_id: task.id,
-                pid: None,
-            },
-        );
+        Some((spec, ExitPolicy::new(config, assignee), max_runtime))
     }
 
     fn on_event(&mut self, ev: &Event, ctx: &mut Context<Self>) {
@@ -235,7 +283,10 @@ impl DispatcherActor {
         ) else {
             return; // No live-worker evidence (already exited, or a legacy row): nothing to end.
         };
-        let outcome: Option<RunOutcome> = p.get("outcome").and_then(|v| v.as_str()).and_then(|s| s.parse().ok());
+        let outcome: Option<RunOutcome> = p
+            .get("outcome")
+            .and_then(|v| v.as_str())
+            .and_then(|s| s.parse().ok());
         // A worker that closed its own run gets the grace to finish (persist, exit); a run
         // closed by force (archived, reclaimed, timed out, stale) wants its worker gone now.
         let grace = match outcome {
@@ -256,11 +307,279 @@ impl DispatcherActor {
         });
     }
 
+    /// Brings every open run that no WorkerActor of ours owns to a defined state: adopt a live
+    /// worker of a previous incarnation, close a dead one's run, release a run whose worker was
+    /// never recorded, hold (never signal) one whose liveness cannot be proven. Also refreshes
+    /// our own workers' leases and ends stale ones. Runs at start-up and on every tick.
+    fn reconcile(&mut self, ctx: &mut Context<Self>) {
+        if self.reconciling {
+            return;
+        }
+        self.reconciling = true;
+        let store = self.store.clone();
+        async move {
+            store
+                .read(|tx| {
+                    let runs = tx.open_runs()?;
+                    let mut out = Vec::with_capacity(runs.len());
+                    for run in runs {
+                        let task = tx.get_task(run.task_id)?;
+                        out.push((run, task));
+                    }
+                    Ok(out)
+                })
+                .await
+        }
+        .into_actor(self)
+        .map(|res, act, ctx| {
+            act.reconciling = false;
+            match res {
+                Ok(runs) => act.reconcile_runs(runs, ctx),
+                Err(e) => tracing::warn!(error = %e, "reconcile: cannot read open runs"),
+            }
+        })
+        .spawn(ctx);
+    }
+
+    fn reconcile_runs(&mut self, runs: Vec<(board::Run, Task)>, ctx: &mut Context<Self>) {
+        let now = now_millis();
+        let ttl = self.config.leases.claim_ttl;
+        let stale_after = self.config.leases.stale_after;
+        let mut ours = Vec::new();
+        let mut stale = Vec::new();
+        self.held
+            .retain(|run_id, _| runs.iter().any(|(r, _)| r.id == *run_id));
+        self.closing
+            .retain(|run_id| runs.iter().any(|(r, _)| r.id == *run_id));
+        for (run, task) in runs {
+            if self.workers.contains_key(&run.id) || run.claimer == self.claimer {
+                if !stale_after.is_zero() {
+                    let last = run.heartbeat_at.unwrap_or(run.started_at);
+                    if now - last > stale_after.as_millis() as i64 {
+                        stale.push(run.id);
+                    }
+                }
+                ours.push(run.id);
+                continue;
+            }
+            self.take_over(run, task, now, ctx);
+        }
+        // Our own live children vouch for their leases (a heartbeat extends them too).
+        let due = self
+            .last_lease_refresh
+            .is_none_or(|t| t.elapsed() >= ttl / 3);
+        if (due && !ours.is_empty()) || !stale.is_empty() {
+            self.last_lease_refresh = Some(std::time::Instant::now());
+            let (store, lease_ms) = (self.store.clone(), ttl.as_millis() as i64);
+            let policy_retries = i64::from(self.config.retries.max_retries);
+            let error = format!(
+                "no heartbeat for {}",
+                humantime::format_duration(stale_after)
+            );
+            actix_rt::spawn(async move {
+                let res = store
+                    .with_tx(move |tx, now| {
+                        for run_id in ours {
+                            tx.extend_lease(run_id, now, lease_ms)?;
+                        }
+                        for run_id in stale {
+                            // Closing the run is what ends the worker (run_closed → reaper, no grace).
+                            let failure = board::Failure {
+                                outcome: RunOutcome::Stale,
+                                exit_code: None,
+                                exit_signal: None,
+                                error: error.clone(),
+                                default_max_retries: policy_retries,
+                                backoff_ms: 0,
+                                counts: true,
+                                give_up_now: false,
+                            };
+                            let _ = tx.nested(|tx| tx.fail_run(run_id, &failure, now));
+                        }
+                        Ok(())
+                    })
+                    .await;
+                if let Err(e) = res {
+                    tracing::warn!(error = %e, "lease refresh failed");
+                }
+            });
+        }
+    }
+
+    /// One open run of a previous incarnation (see [`Self::reconcile`]).
+    fn take_over(
+        &mut self,
+        run: board::Run,
+        task: Task,
+        now: board::Millis,
+        ctx: &mut Context<Self>,
+    ) {
+        let run_id = run.id;
+        if self.closing.contains(&run_id) {
+            return;
+        }
+        let lease_expired = run.lease_expires_at <= now;
+        let verdict = match (run.worker_pid, run.fingerprint()) {
+            (Some(pid), Some(fp)) => match process::open_verified(pid as i32, &fp) {
+                Ok(process::Verified::Ours(pidfd)) => Ok((pidfd, fp)),
+                Ok(process::Verified::NotOurs(l)) => Err(l),
+                Err(e) => Err(process::Liveness::Unknown(e.to_string())),
+            },
+            (Some(_), None) => Err(process::Liveness::Unknown(
+                "no fingerprint recorded (legacy row)".into(),
+            )),
+            (None, _) if run.spawned_pid.is_some() => {
+                Err(process::Liveness::Dead(process::DeadReason::NoSuchProcess))
+            }
+            (None, _) => {
+                // Claimed by an incarnation that died before recording its worker: nothing can
+                // be running under this run that we could ever find, so release it.
+                self.closing.insert(run_id);
+                let store = self.store.clone();
+                actix_rt::spawn(async move {
+                    let r = store
+                        .with_tx(move |tx, now| {
+                            tx.reclaim_task(
+                                run.task_id,
+                                "claimed by a supervisor that died before starting the worker",
+                                now,
+                            )
+                            .map(|_| ())
+                        })
+                        .await;
+                    if let Err(e) = r {
+                        tracing::warn!(run_id, error = %e, "reconcile: cannot release unstarted run");
+                    }
+                });
+                return;
+            }
+        };
+        match verdict {
+            Ok((pidfd, fp)) => {
+                self.held.remove(&run_id);
+                let Some((spec, policy, max_runtime)) =
+                    self.worker_setup(&task, run_id, run.token.clone())
+                else {
+                    return;
+                };
+                let addr = WorkerActor::adopt(
+                    spec,
+                    pidfd,
+                    fp,
+                    run.started_at,
+                    policy,
+                    max_runtime,
+                    self.config.reaper.kill_timeout,
+                    self.store.clone(),
+                    ctx.address(),
+                )
+                .start();
+                self.workers.insert(
+                    run_id,
+                    Worker {
+                        addr,
+                        task_id: task.id,
+                        pid: run.worker_pid.map(|p| p as i32),
+                    },
+                );
+                let store = self.store.clone();
+                let lease_ms = self.config.leases.claim_ttl.as_millis() as i64;
+                actix_rt::spawn(async move {
+                    let _ = store
+                        .with_tx(move |tx, now| {
+                            tx.append_event(
+                                Some(task.id),
+                                Some(run_id),
+                                "worker_adopted",
+                                serde_json::json!({ "pid": run.worker_pid }),
+                                now,
+                            )?;
+                            tx.extend_lease(run_id, now, lease_ms)
+                        })
+                        .await;
+                });
+            }
+            Err(process::Liveness::Dead(reason)) => {
+                self.held.remove(&run_id);
+                self.closing.insert(run_id);
+                let policy = self
+                    .worker_setup(&task, run_id, String::new())
+                    .map(|(_, p, _)| p);
+                let default_retries = i64::from(self.config.retries.max_retries);
+                let store = self.store.clone();
+                actix_rt::spawn(async move {
+                    let r = store
+                        .with_tx(move |tx, now| {
+                            tx.record_worker_exit(
+                                run_id,
+                                board::ExitInfo {
+                                    code: None,
+                                    signal: None,
+                                },
+                                now,
+                            )?;
+                            let task = tx.get_task(run.task_id)?;
+                            let (max, backoff_ms) = match &policy {
+                                Some(p) => (
+                                    i64::from(p.max_retries),
+                                    p.backoff_ms(task.consecutive_failures + 1),
+                                ),
+                                None => (default_retries, 0),
+                            };
+                            let failure = board::Failure {
+                                outcome: RunOutcome::Crashed,
+                                exit_code: None,
+                                exit_signal: None,
+                                error: format!(
+                                    "worker exited while unsupervised ({})",
+                                    reason.as_str()
+                                ),
+                                default_max_retries: max,
+                                backoff_ms,
+                                counts: true,
+                                give_up_now: false,
+                            };
+                            tx.fail_run(run_id, &failure, now).map(|_| ())
+                        })
+                        .await;
+                    if let Err(e) = r {
+                        tracing::warn!(run_id, error = %e, "reconcile: cannot close dead worker's run");
+                    }
+                });
+            }
+            Err(l) => {
+                // Unknown: never signalled, never released by time alone; re-checked each tick.
+                let recorded = self.held.entry(run_id).or_insert(false);
+                if lease_expired && !*recorded {
+                    *recorded = true;
+                    let why = format!("{l:?}");
+                    tracing::warn!(run_id, %why, "lease expired but the worker's liveness is unknown; release deferred");
+                    let store = self.store.clone();
+                    actix_rt::spawn(async move {
+                        let _ = store
+                            .with_tx(move |tx, now| {
+                                tx.append_event(
+                                    Some(run.task_id),
+                                    Some(run_id),
+                                    "reclaim_deferred",
+                                    serde_json::json!({ "why": why, "pid": run.worker_pid }),
+                                    now,
+                                )
+                            })
+                            .await;
+                    });
+                }
+            }
+        }
+    }
+
     fn tick(&mut self, ctx: &mut Context<Self>) {
         self.pass(ctx);
+        self.reconcile(ctx);
         // Zombies of descendants re-parented to us (we are a subreaper) are collected here;
         // our own workers' leaders are reaped by their actors, never here.
-        let keep: std::collections::HashSet<i32> = self.workers.values().filter_map(|w| w.pid).collect();
+        let keep: std::collections::HashSet<i32> =
+            self.workers.values().filter_map(|w| w.pid).collect();
         let logs: Vec<_> = self
             .workers
             .values()
@@ -302,6 +621,7 @@ impl Actor for DispatcherActor {
             }
         });
         ctx.run_interval(self.config.supervisor.tick, |act, ctx| act.tick(ctx));
+        self.reconcile(ctx);
         self.pass(ctx);
     }
 }
@@ -341,7 +661,11 @@ impl Handler<WorkerFinished> for DispatcherActor {
 impl Handler<LiveWorkers> for DispatcherActor {
     type Result = MessageResult<LiveWorkers>;
     fn handle(&mut self, _: LiveWorkers, _: &mut Self::Context) -> Self::Result {
-        let mut v: Vec<_> = self.workers.iter().map(|(r, w)| (*r, w.task_id, w.pid)).collect();
+        let mut v: Vec<_> = self
+            .workers
+            .iter()
+            .map(|(r, w)| (*r, w.task_id, w.pid))
+            .collect();
         v.sort();
         MessageResult(v)
     }
@@ -354,7 +678,8 @@ impl Handler<StopDispatching> for DispatcherActor {
         if !msg.terminate || self.workers.is_empty() {
             return Box::pin(async {}.into_actor(self));
         }
-        let runs: Vec<(RunId, TaskId)> = self.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
+        let runs: Vec<(RunId, TaskId)> =
+            self.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
         let addrs: Vec<_> = self.workers.values().map(|w| w.addr.clone()).collect();
         let store = self.store.clone();
         let kill = self.config.reaper.kill_timeout;
@@ -364,9 +689,12 @@ impl Handler<StopDispatching> for DispatcherActor {
                 let _ = store
                     .with_tx(move |tx, now| {
                         for (run_id, task_id) in runs {
-                            let still_current = tx.get_task(task_id)?.current_run_id == Some(run_id);
+                            let still_current =
+                                tx.get_task(task_id)?.current_run_id == Some(run_id);
                             if still_current {
-                                let _ = tx.nested(|tx| tx.reclaim_task(task_id, "supervisor shutdown", now));
+                                let _ = tx.nested(|tx| {
+                                    tx.reclaim_task(task_id, "supervisor shutdown", now)
+                                });
                             }
                         }
                         Ok(())
@@ -379,7 +707,8 @@ impl Handler<StopDispatching> for DispatcherActor {
                     });
                 }
                 let deadline = tokio::time::Instant::now() + kill + Duration::from_secs(2);
-                while addrs.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline {
+                while addrs.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline
+                {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }

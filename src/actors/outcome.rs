@@ -51,11 +51,19 @@ impl ExitPolicy {
         let base = self.backoff.as_millis() as f64 * 2f64.powi(exp as i32);
         let capped = base.min(self.backoff_max.as_millis() as f64);
         let jitter = rand::thread_rng().gen_range(0.8..=1.2);
-        (capped * jitter).min(self.backoff_max.as_millis() as f64).max(0.0) as i64
+        (capped * jitter)
+            .min(self.backoff_max.as_millis() as f64)
+            .max(0.0) as i64
     }
 
     /// The failure record for a run ending as `outcome`, given the task's failures so far.
-    fn failure(&self, outcome: RunOutcome, exit: Option<ExitInfo>, error: String, prior_failures: i64) -> Failure {
+    fn failure(
+        &self,
+        outcome: RunOutcome,
+        exit: Option<ExitInfo>,
+        error: String,
+        prior_failures: i64,
+    ) -> Failure {
         let code = exit.and_then(|e| e.code);
         let requeue = code.is_some_and(|c| self.retry_exit_codes.contains(&c));
         let give_up_now = code.is_some_and(|c| self.fail_exit_codes.contains(&c));
@@ -78,7 +86,15 @@ impl ExitPolicy {
 }
 
 /// Closes `run_id` as failed under `policy` (reads the task's failure count in the same tx).
-fn fail(tx: &Tx<'_>, run_id: RunId, policy: &ExitPolicy, outcome: RunOutcome, exit: Option<ExitInfo>, error: String, now: Millis) -> board::Result<()> {
+fn fail(
+    tx: &Tx<'_>,
+    run_id: RunId,
+    policy: &ExitPolicy,
+    outcome: RunOutcome,
+    exit: Option<ExitInfo>,
+    error: String,
+    now: Millis,
+) -> board::Result<()> {
     let run = tx.get_run(run_id)?;
     let task = tx.get_task(run.task_id)?;
     let failure = policy.failure(outcome, exit, error, task.consecutive_failures);
@@ -87,14 +103,34 @@ fn fail(tx: &Tx<'_>, run_id: RunId, policy: &ExitPolicy, outcome: RunOutcome, ex
 }
 
 /// Records a spawn failure: the run closes `spawn_failed` and the retry rules apply.
-pub async fn record_spawn_failure(store: &Store, run_id: RunId, policy: ExitPolicy, error: String) -> Result<(), StoreError> {
+pub async fn record_spawn_failure(
+    store: &Store,
+    run_id: RunId,
+    policy: ExitPolicy,
+    error: String,
+) -> Result<(), StoreError> {
     store
-        .with_tx(move |tx, now| fail(tx, run_id, &policy, RunOutcome::SpawnFailed, None, error, now))
+        .with_tx(move |tx, now| {
+            fail(
+                tx,
+                run_id,
+                &policy,
+                RunOutcome::SpawnFailed,
+                None,
+                error,
+                now,
+            )
+        })
         .await
 }
 
 /// Records a max-runtime overrun: the run closes `timed_out` (if still open) before the kill.
-pub async fn record_timeout(store: &Store, run_id: RunId, policy: ExitPolicy, error: String) -> Result<(), StoreError> {
+pub async fn record_timeout(
+    store: &Store,
+    run_id: RunId,
+    policy: ExitPolicy,
+    error: String,
+) -> Result<(), StoreError> {
     store
         .with_tx(move |tx, now| {
             let run = tx.get_run(run_id)?;
@@ -129,7 +165,11 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<(), StoreErro
         .with_tx(move |tx, now| {
             let run = tx.record_worker_exit(cx.run_id, cx.exit, now)?;
             if cx.terminated == Some(TerminateReason::TerminalReap) {
-                let ended_by = if cx.exit.signal == Some(libc::SIGKILL) { "sigkill" } else { "sigterm" };
+                let ended_by = if cx.exit.signal == Some(libc::SIGKILL) {
+                    "sigkill"
+                } else {
+                    "sigterm"
+                };
                 tx.append_event(
                     Some(cx.task_id),
                     Some(cx.run_id),
@@ -154,16 +194,37 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<(), StoreErro
                 }
                 (Some(0), OnExitZero::Crash) => {
                     let error = "exited 0 without reporting completion".to_string();
-                    fail(tx, cx.run_id, &cx.policy, RunOutcome::Crashed, Some(cx.exit), error, now)?;
+                    fail(
+                        tx,
+                        cx.run_id,
+                        &cx.policy,
+                        RunOutcome::Crashed,
+                        Some(cx.exit),
+                        error,
+                        now,
+                    )?;
                 }
                 _ => {
                     let what = match (cx.exit.code, cx.exit.signal) {
                         (Some(c), _) => format!("exited with code {c}"),
                         (None, Some(s)) => format!("killed by signal {}", signal_name(s)),
-                        _ => "ended".to_string(),
+                        // An adopted worker (not our child): its status went to its parent.
+                        _ => "exited while unsupervised (exit status unknown)".to_string(),
                     };
-                    let error = if tail.is_empty() { what } else { format!("{what}; log tail: {tail}") };
-                    fail(tx, cx.run_id, &cx.policy, RunOutcome::Crashed, Some(cx.exit), error, now)?;
+                    let error = if tail.is_empty() {
+                        what
+                    } else {
+                        format!("{what}; log tail: {tail}")
+                    };
+                    fail(
+                        tx,
+                        cx.run_id,
+                        &cx.policy,
+                        RunOutcome::Crashed,
+                        Some(cx.exit),
+                        error,
+                        now,
+                    )?;
                 }
             }
             Ok(())

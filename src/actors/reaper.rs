@@ -155,7 +155,9 @@ impl ReaperActor {
             Ok(candidates) => {
                 let todo: Vec<_> = candidates
                     .into_iter()
-                    .filter(|c| !act.pending.contains_key(&c.run_id) && !act.in_flight.contains(&c.run_id))
+                    .filter(|c| {
+                        !act.pending.contains_key(&c.run_id) && !act.in_flight.contains(&c.run_id)
+                    })
                     .take(SWEEP_BATCH)
                     .collect();
                 for c in todo {

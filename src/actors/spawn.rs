@@ -46,8 +46,12 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         .argv
         .split_first()
         .ok_or_else(|| "the assignee's command is empty".to_string())?;
-    fs::create_dir_all(&spec.cwd)
-        .map_err(|e| format!("cannot create working directory {}: {e}", spec.cwd.display()))?;
+    fs::create_dir_all(&spec.cwd).map_err(|e| {
+        format!(
+            "cannot create working directory {}: {e}",
+            spec.cwd.display()
+        )
+    })?;
     let log = open_log(&spec.log_path, spec.log_max_bytes)?;
     let log_err = log
         .try_clone()
@@ -130,7 +134,8 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
 /// Opens the task's log for appending, rotating it first when it has reached `max_bytes`.
 fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
     if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir).map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
+        fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
     }
     rotate_if_needed(path, max_bytes);
     OpenOptions::new()
@@ -150,7 +155,9 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
         return;
     }
     let backup = backup_path(path);
-    if let Err(e) = fs::copy(path, &backup).and_then(|_| OpenOptions::new().write(true).open(path)?.set_len(0)) {
+    if let Err(e) =
+        fs::copy(path, &backup).and_then(|_| OpenOptions::new().write(true).open(path)?.set_len(0))
+    {
         tracing::warn!(path = %path.display(), error = %e, "log rotation failed");
     }
 }
@@ -190,7 +197,9 @@ fn path_with_own_binary() -> Option<std::ffi::OsString> {
     std::env::join_paths(parts).ok()
 }
 
-fn rlimit_pairs(limits: &BTreeMap<String, u64>) -> Result<Vec<(libc::__rlimit_resource_t, u64)>, String> {
+fn rlimit_pairs(
+    limits: &BTreeMap<String, u64>,
+) -> Result<Vec<(libc::__rlimit_resource_t, u64)>, String> {
     limits
         .iter()
         .map(|(name, &value)| {

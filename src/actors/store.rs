@@ -10,8 +10,8 @@
 
 use std::any::Any;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 use std::thread;
 
 use actix::prelude::*;
@@ -123,7 +123,10 @@ impl Store {
     }
 
     /// Runs a query on the read connection, blocking the calling thread (not for actor threads).
-    pub fn read_blocking<T>(&self, f: impl FnOnce(&Tx<'_>) -> board::Result<T>) -> Result<T, StoreError> {
+    pub fn read_blocking<T>(
+        &self,
+        f: impl FnOnce(&Tx<'_>) -> board::Result<T>,
+    ) -> Result<T, StoreError> {
         let mut board = self.reader.lock().unwrap_or_else(|p| p.into_inner());
         board.read(f).map_err(StoreError::from)
     }
@@ -204,7 +207,11 @@ impl<O: StoreOp> Handler<Exec<O>> for StoreActor {
                 let _ = tx.send(typed);
             }),
         };
-        let sent = self.jobs.as_ref().map(|j| j.send(job).is_ok()).unwrap_or(false);
+        let sent = self
+            .jobs
+            .as_ref()
+            .map(|j| j.send(job).is_ok())
+            .unwrap_or(false);
         Box::pin(async move {
             if !sent {
                 return Err(StoreError::stopped());
@@ -244,7 +251,10 @@ fn writer_loop(
         let (ops, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|j| (j.op, j.reply)).unzip();
         let ops = ops
             .into_iter()
-            .map(|op| Box::new(move |t: &Tx<'_>| op(t, now)) as Box<dyn FnOnce(&Tx<'_>) -> board::Result<Erased>>)
+            .map(|op| {
+                Box::new(move |t: &Tx<'_>| op(t, now))
+                    as Box<dyn FnOnce(&Tx<'_>) -> board::Result<Erased>>
+            })
             .collect();
         match board.write_batch(ops) {
             Ok(results) => {
@@ -268,7 +278,11 @@ fn writer_loop(
 }
 
 /// Sends every event committed after `watermark` to the subscribers; returns the new watermark.
-fn publish(board: &mut Board, feed: &broadcast::Sender<Arc<Event>>, mut watermark: EventId) -> EventId {
+fn publish(
+    board: &mut Board,
+    feed: &broadcast::Sender<Arc<Event>>,
+    mut watermark: EventId,
+) -> EventId {
     loop {
         let events = match board.read(|tx| tx.events_since(watermark, 4096)) {
             Ok(e) => e,

@@ -14,7 +14,7 @@ use super::dispatcher::{DispatcherActor, WorkerFinished};
 use super::outcome::{self, ExitPolicy};
 use super::spawn::{self, SpawnSpec};
 use super::store::Store;
-use crate::board::{ExitInfo, RunId, TaskId};
+use crate::board::{self, ExitInfo, RunId, TaskId};
 use crate::process::{self, ExitStatus, Fingerprint, PidFd, Signal};
 
 /// Why a worker is being ended; decides what its exit records.
@@ -62,6 +62,9 @@ pub struct WorkerActor {
     fingerprint: Option<Fingerprint>,
     terminating: Option<TerminateReason>,
     finished: bool,
+    /// Set for a worker of a previous incarnation taken over at start-up: it is not our
+    /// child, so its exit status cannot be read, and its runtime started at the run's start.
+    adopted_started_at: Option<board::Millis>,
 }
 
 impl WorkerActor {
@@ -85,7 +88,51 @@ impl WorkerActor {
             fingerprint: None,
             terminating: None,
             finished: false,
+            adopted_started_at: None,
         }
+    }
+
+    /// Takes over the live worker of a previous incarnation: `pidfd` was opened and verified
+    /// against the run's fingerprint by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adopt(
+        spec: SpawnSpec,
+        pidfd: PidFd,
+        fingerprint: Fingerprint,
+        run_started_at: board::Millis,
+        policy: ExitPolicy,
+        max_runtime: Option<Duration>,
+        kill_timeout: Duration,
+        store: Store,
+        dispatcher: Addr<DispatcherActor>,
+    ) -> Self {
+        let mut w = WorkerActor::new(spec, policy, max_runtime, kill_timeout, store, dispatcher);
+        w.pidfd = Some(Arc::new(pidfd));
+        w.fingerprint = Some(fingerprint);
+        w.adopted_started_at = Some(run_started_at);
+        w
+    }
+
+    fn start_adopted(&mut self, started_at: board::Millis, ctx: &mut Context<Self>) {
+        let pid = self.pidfd.as_ref().map(|p| p.pid()).unwrap_or_default();
+        tracing::info!(
+            run_id = self.run_id(),
+            task_id = self.task_id(),
+            pid,
+            "worker adopted from a previous incarnation"
+        );
+        self.dispatcher.do_send(super::dispatcher::WorkerSpawned {
+            run_id: self.run_id(),
+            pid,
+        });
+        if let Some(limit) = self.max_runtime {
+            let elapsed =
+                Duration::from_millis(board::now_millis().saturating_sub(started_at).max(0) as u64);
+            ctx.run_later(limit.saturating_sub(elapsed), move |act, ctx| {
+                act.timed_out(limit, ctx)
+            });
+        }
+        self.watch(ctx);
     }
 
     fn run_id(&self) -> RunId {
@@ -128,10 +175,17 @@ impl WorkerActor {
             return self.finish(ctx);
         };
         let status = match pidfd.try_reap() {
+            _ if self.adopted_started_at.is_some() => {
+                // Not our child: its parent (init) reaps it and its status is lost to us.
+                return self.record_exit(pidfd, None, ctx);
+            }
             Ok(Some(s)) => s,
             Ok(None) => {
                 // Readable but not yet reapable cannot happen for our own child; watch again.
-                tracing::debug!(run_id = self.run_id(), "worker: pidfd readable before exit; re-arming");
+                tracing::debug!(
+                    run_id = self.run_id(),
+                    "worker: pidfd readable before exit; re-arming"
+                );
                 return self.watch(ctx);
             }
             Err(e) => {
@@ -139,11 +193,35 @@ impl WorkerActor {
                 ExitStatus::Signal(0)
             }
         };
+        tracing::info!(
+            run_id = self.run_id(),
+            pid = pidfd.pid(),
+            ?status,
+            "worker exited"
+        );
+        self.record_exit(pidfd, Some(status), ctx);
+    }
+
+    fn record_exit(
+        &mut self,
+        pidfd: Arc<PidFd>,
+        status: Option<ExitStatus>,
+        ctx: &mut Context<Self>,
+    ) {
         let exit = match status {
-            ExitStatus::Code(c) => ExitInfo { code: Some(c), signal: None },
-            ExitStatus::Signal(s) => ExitInfo { code: None, signal: Some(s) },
+            Some(ExitStatus::Code(c)) => ExitInfo {
+                code: Some(c),
+                signal: None,
+            },
+            Some(ExitStatus::Signal(s)) => ExitInfo {
+                code: None,
+                signal: Some(s),
+            },
+            None => ExitInfo {
+                code: None,
+                signal: None,
+            },
         };
-        tracing::info!(run_id = self.run_id(), pid = pidfd.pid(), ?status, "worker exited");
         // The leader is gone; anything left in its group is a leak nobody will clean up.
         if process::group_alive(pidfd.pid()) {
             let kill = self.kill_timeout;
@@ -178,10 +256,13 @@ impl WorkerActor {
     }
 
     fn watch(&mut self, ctx: &mut Context<Self>) {
-        let Some(pidfd) = self.pidfd.clone() else { return };
+        let Some(pidfd) = self.pidfd.clone() else {
+            return;
+        };
         // SAFETY: `Watch` holds an Arc of the PidFd, so the fd stays open and the same for the
         // whole life of the AsyncFd.
-        let registered = unsafe { AsyncFd::register_with_interest(Watch(pidfd), tokio::io::Interest::READABLE) };
+        let registered =
+            unsafe { AsyncFd::register_with_interest(Watch(pidfd), tokio::io::Interest::READABLE) };
         let watch = match registered {
             Ok(w) => w,
             Err(e) => {
@@ -211,7 +292,12 @@ impl WorkerActor {
         let pid = child.pid;
         self.fingerprint = child.fingerprint.clone();
         self.pidfd = Some(Arc::new(child.pidfd));
-        tracing::info!(run_id = self.run_id(), task_id = self.task_id(), pid, "worker spawned");
+        tracing::info!(
+            run_id = self.run_id(),
+            task_id = self.task_id(),
+            pid,
+            "worker spawned"
+        );
         // Evidence first: the pid + fingerprint are durable before anything else happens, so
         // whatever follows (a crash of the supervisor included) the worker stays reachable.
         let store = self.store.clone();
@@ -248,10 +334,17 @@ impl WorkerActor {
         if self.terminating.is_some() {
             return;
         }
-        tracing::warn!(run_id = self.run_id(), ?limit, "worker: max runtime exceeded");
+        tracing::warn!(
+            run_id = self.run_id(),
+            ?limit,
+            "worker: max runtime exceeded"
+        );
         let store = self.store.clone();
         let (run_id, policy) = (self.run_id(), self.policy.clone());
-        let error = format!("exceeded max runtime of {}", humantime::format_duration(limit));
+        let error = format!(
+            "exceeded max runtime of {}",
+            humantime::format_duration(limit)
+        );
         async move { outcome::record_timeout(&store, run_id, policy, error).await }
             .into_actor(self)
             .map(|res, act, ctx| {
@@ -271,6 +364,9 @@ impl Actor for WorkerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        if let Some(started_at) = self.adopted_started_at {
+            return self.start_adopted(started_at, ctx);
+        }
         if let Err(error) = self.start_child(ctx) {
             self.spawn_failed(error, ctx);
         }
@@ -298,7 +394,9 @@ impl Handler<LeaderExited> for WorkerActor {
 impl Handler<Terminate> for WorkerActor {
     type Result = ();
     fn handle(&mut self, msg: Terminate, _: &mut Self::Context) {
-        let Some(pidfd) = self.pidfd.clone() else { return };
+        let Some(pidfd) = self.pidfd.clone() else {
+            return;
+        };
         if self.terminating.is_some() {
             return;
         }

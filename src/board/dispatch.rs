@@ -13,7 +13,8 @@ use super::{Board, Result};
 use crate::process::{Fingerprint, Signaller};
 
 /// Spawns the worker of a claimed run; returns its pid and fingerprint.
-pub type SpawnFn<'a> = dyn FnMut(&Claim) -> std::result::Result<(i32, Option<Fingerprint>), String> + 'a;
+pub type SpawnFn<'a> =
+    dyn FnMut(&Claim) -> std::result::Result<(i32, Option<Fingerprint>), String> + 'a;
 
 /// Parameters of [`dispatch_once`].
 pub struct DispatchOptions<'a> {
@@ -77,7 +78,9 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
         )
     })?;
     for task_id in plan {
-        let claim = match board.write(|tx| tx.claim_task(task_id, opts.claimer, now, opts.lease.as_millis() as i64)) {
+        let claim = match board
+            .write(|tx| tx.claim_task(task_id, opts.claimer, now, opts.lease.as_millis() as i64))
+        {
             Ok(c) => c,
             Err(e) => {
                 tracing::debug!(task_id, error = %e, "dispatch: claim refused");

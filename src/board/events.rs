@@ -26,14 +26,20 @@ impl Tx<'_> {
 
     /// Events with id greater than `after`, oldest first, at most `limit`.
     pub fn events_since(&self, after: EventId, limit: u32) -> Result<Vec<Event>> {
-        let sql = format!("SELECT {EVENT_COLS} FROM task_events WHERE id > ?1 ORDER BY id LIMIT ?2");
+        let sql =
+            format!("SELECT {EVENT_COLS} FROM task_events WHERE id > ?1 ORDER BY id LIMIT ?2");
         let mut stmt = self.conn.prepare_cached(&sql)?;
         let rows = stmt.query_map(params![after, limit], rows::event)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     /// Events of one task with id greater than `after`, oldest first, at most `limit`.
-    pub fn task_events_since(&self, task_id: TaskId, after: EventId, limit: u32) -> Result<Vec<Event>> {
+    pub fn task_events_since(
+        &self,
+        task_id: TaskId,
+        after: EventId,
+        limit: u32,
+    ) -> Result<Vec<Event>> {
         let sql = format!(
             "SELECT {EVENT_COLS} FROM task_events WHERE task_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
         );
@@ -57,7 +63,9 @@ impl Tx<'_> {
     pub fn last_event_id(&self) -> Result<EventId> {
         Ok(self
             .conn
-            .query_row("SELECT max(id) FROM task_events", [], |r| r.get::<_, Option<i64>>(0))
+            .query_row("SELECT max(id) FROM task_events", [], |r| {
+                r.get::<_, Option<i64>>(0)
+            })
             .optional()?
             .flatten()
             .unwrap_or(0))

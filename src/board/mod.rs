@@ -24,8 +24,8 @@ use rusqlite::{Connection, OpenFlags};
 
 pub use dispatch::{DispatchOptions, DispatchReport, SpawnFn, dispatch_once, plan_claims};
 pub use reaper::{ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
-pub use schema::SCHEMA_VERSION;
 pub use runs::{ExitInfo, FailResult};
+pub use schema::SCHEMA_VERSION;
 pub use types::*;
 
 /// How long a statement waits for another connection's lock before failing with `busy`.
@@ -157,8 +157,10 @@ impl Board {
         } else {
             "NORMAL"
         };
-        conn.pragma_update(None, "synchronous", sync).map_err(wrap)?;
-        conn.pragma_update(None, "foreign_keys", "ON").map_err(wrap)?;
+        conn.pragma_update(None, "synchronous", sync)
+            .map_err(wrap)?;
+        conn.pragma_update(None, "foreign_keys", "ON")
+            .map_err(wrap)?;
         if !opts.read_only {
             schema::migrate(&mut conn)?;
         }
@@ -243,7 +245,8 @@ impl Tx<'_> {
                 Ok(v)
             }
             Err(e) => {
-                self.conn.execute_batch("ROLLBACK TO nested; RELEASE nested")?;
+                self.conn
+                    .execute_batch("ROLLBACK TO nested; RELEASE nested")?;
                 Err(e)
             }
         }

@@ -85,8 +85,10 @@ impl Tx<'_> {
             let rows = stmt.query_map([id], |r| r.get(0))?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
         };
-        let parents = ids("SELECT parent_id FROM task_links WHERE child_id = ?1 ORDER BY parent_id")?;
-        let children = ids("SELECT child_id FROM task_links WHERE parent_id = ?1 ORDER BY child_id")?;
+        let parents =
+            ids("SELECT parent_id FROM task_links WHERE child_id = ?1 ORDER BY parent_id")?;
+        let children =
+            ids("SELECT child_id FROM task_links WHERE parent_id = ?1 ORDER BY child_id")?;
         let mut stmt = self.conn.prepare_cached(
             "SELECT id, task_id, author, body, at FROM task_comments WHERE task_id = ?1 ORDER BY id",
         )?;
@@ -148,7 +150,9 @@ impl Tx<'_> {
     pub fn next_backoff_expiry(&self, now: Millis) -> Result<Option<Millis>> {
         Ok(self
             .conn
-            .prepare_cached("SELECT min(not_before) FROM tasks WHERE status = 'ready' AND not_before > ?1")?
+            .prepare_cached(
+                "SELECT min(not_before) FROM tasks WHERE status = 'ready' AND not_before > ?1",
+            )?
             .query_row([now], |r| r.get(0))?)
     }
 }

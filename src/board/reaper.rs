@@ -41,7 +41,11 @@ impl Tx<'_> {
     /// Closed runs with worker evidence whose run ended at or before `now - grace`. Rows without
     /// a complete fingerprint (legacy) are never selected. Uses the `runs_evidence` partial index,
     /// so the cost follows the rows still holding evidence, not the history.
-    pub fn terminal_reap_candidates(&self, now: Millis, grace_ms: i64) -> Result<Vec<ReapCandidate>> {
+    pub fn terminal_reap_candidates(
+        &self,
+        now: Millis,
+        grace_ms: i64,
+    ) -> Result<Vec<ReapCandidate>> {
         let mut stmt = self.conn.prepare_cached(
             "SELECT id, task_id, worker_pid, worker_boot_id, worker_start_ticks, ended_at \
              FROM task_runs \
@@ -66,7 +70,12 @@ impl Tx<'_> {
 
     /// Writes the outcome of one reap decision: clears the evidence (compare-and-swap on the
     /// values read) and appends the event that says why. `Unknown` writes nothing.
-    pub fn record_reap(&self, c: &ReapCandidate, verdict: &ReapVerdict, now: Millis) -> Result<bool> {
+    pub fn record_reap(
+        &self,
+        c: &ReapCandidate,
+        verdict: &ReapVerdict,
+        now: Millis,
+    ) -> Result<bool> {
         let base = json!({
             "pid": c.pid,
             "boot_id": c.fingerprint.boot_id,
@@ -97,10 +106,12 @@ pub fn reap_one(
     kill_timeout: Duration,
 ) -> std::result::Result<ReapVerdict, process::ProcessError> {
     let verdict = match process::liveness(c.pid, &c.fingerprint) {
-        Liveness::Alive => match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
-            Ended::NotOurs(l) => verdict_for(l),
-            how => ReapVerdict::Reaped(how),
-        },
+        Liveness::Alive => {
+            match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
+                Ended::NotOurs(l) => verdict_for(l),
+                how => ReapVerdict::Reaped(how),
+            }
+        }
         other => verdict_for(other),
     };
     Ok(verdict)
@@ -143,7 +154,9 @@ pub fn reap_terminal_workers(
         match board.write(|tx| tx.record_reap(c, &verdict, now)) {
             Ok(_) if matches!(verdict, ReapVerdict::Reaped(_)) => reaped.push(c.task_id),
             Ok(_) => {}
-            Err(e) => tracing::warn!(run_id = c.run_id, error = %e, "terminal reaper: cannot record verdict"),
+            Err(e) => {
+                tracing::warn!(run_id = c.run_id, error = %e, "terminal reaper: cannot record verdict")
+            }
         }
     }
     Ok(reaped)

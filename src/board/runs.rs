@@ -4,9 +4,7 @@ use rand::RngCore;
 use rusqlite::params;
 use serde_json::json;
 
-use super::types::{
-    Claim, ClosedRun, Failure, Millis, Run, RunId, RunOutcome, TaskId, TaskStatus,
-};
+use super::types::{Claim, ClosedRun, Failure, Millis, Run, RunId, RunOutcome, TaskId, TaskStatus};
 use super::{BoardError, Result, Tx};
 use crate::process::Fingerprint;
 
@@ -38,7 +36,13 @@ impl Tx<'_> {
     /// Claims a ready task: opens a run (with a fresh token and a lease) and marks the task
     /// running. A task whose parent reopened since it became ready is demoted to `todo` instead
     /// and the claim is refused.
-    pub fn claim_task(&self, task_id: TaskId, claimer: &str, now: Millis, lease_ms: i64) -> Result<Claim> {
+    pub fn claim_task(
+        &self,
+        task_id: TaskId,
+        claimer: &str,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<Claim> {
         let task = self.get_task(task_id)?;
         if task.status != TaskStatus::Ready {
             return Err(BoardError::Conflict(format!(
@@ -48,7 +52,13 @@ impl Tx<'_> {
         }
         if !self.parents_satisfied(task_id)? {
             self.set_status(task_id, TaskStatus::Ready, TaskStatus::Todo, now)?;
-            self.append_event(Some(task_id), None, "demoted", json!({ "reason": "parent_reopened" }), now)?;
+            self.append_event(
+                Some(task_id),
+                None,
+                "demoted",
+                json!({ "reason": "parent_reopened" }),
+                now,
+            )?;
             return Err(BoardError::Conflict(format!(
                 "task {task_id} has an unfinished parent; demoted to todo"
             )));
@@ -74,7 +84,9 @@ impl Tx<'_> {
             )?
             .execute(params![task_id, run_id, now])?;
         if changed != 1 {
-            return Err(BoardError::Conflict(format!("task {task_id} changed concurrently")));
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} changed concurrently"
+            )));
         }
         self.append_event(
             Some(task_id),
@@ -83,14 +95,25 @@ impl Tx<'_> {
             json!({ "attempt": attempt, "assignee": task.assignee, "claimer": claimer }),
             now,
         )?;
-        Ok(Claim { task_id, run_id, attempt, token })
+        Ok(Claim {
+            task_id,
+            run_id,
+            attempt,
+            token,
+        })
     }
 
     /// Records the spawned worker's pid and fingerprint on its run. Works on a run that already
     /// closed too (a fast worker may report before this lands): the evidence is what lets the
     /// reaper end a worker that outlives its run. A `None` fingerprint records a pid that will
     /// never be signalled.
-    pub fn set_worker(&self, run_id: RunId, pid: i32, fp: Option<&Fingerprint>, now: Millis) -> Result<()> {
+    pub fn set_worker(
+        &self,
+        run_id: RunId,
+        pid: i32,
+        fp: Option<&Fingerprint>,
+        now: Millis,
+    ) -> Result<()> {
         let run = self.get_run(run_id)?;
         let changed = self
             .conn
@@ -105,7 +128,9 @@ impl Tx<'_> {
                 fp.map(|f| f.start_ticks as i64)
             ])?;
         if changed != 1 {
-            return Err(BoardError::Conflict(format!("run {run_id} already has a worker")));
+            return Err(BoardError::Conflict(format!(
+                "run {run_id} already has a worker"
+            )));
         }
         self.append_event(
             Some(run.task_id),
@@ -146,7 +171,13 @@ impl Tx<'_> {
     }
 
     /// Refreshes a live run's heartbeat and extends its lease to `now + lease_ms`.
-    pub fn heartbeat(&self, run_id: RunId, note: Option<&str>, now: Millis, lease_ms: i64) -> Result<()> {
+    pub fn heartbeat(
+        &self,
+        run_id: RunId,
+        note: Option<&str>,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<()> {
         let run = self.get_run(run_id)?;
         let changed = self
             .conn
@@ -158,7 +189,13 @@ impl Tx<'_> {
         if changed != 1 {
             return Err(self.stale(run.task_id, run_id, None));
         }
-        self.append_event(Some(run.task_id), Some(run_id), "heartbeat", json!({ "note": note }), now)?;
+        self.append_event(
+            Some(run.task_id),
+            Some(run_id),
+            "heartbeat",
+            json!({ "note": note }),
+            now,
+        )?;
         Ok(())
     }
 
@@ -176,7 +213,11 @@ impl Tx<'_> {
     }
 
     /// The task's current run, checked against `expected` (a worker's view of which run it is).
-    fn current_run_checked(&self, task_id: TaskId, expected: Option<RunId>) -> Result<(TaskStatus, Option<RunId>)> {
+    fn current_run_checked(
+        &self,
+        task_id: TaskId,
+        expected: Option<RunId>,
+    ) -> Result<(TaskStatus, Option<RunId>)> {
         let task = self.get_task(task_id)?;
         if let Some(exp) = expected
             && task.current_run_id != Some(exp)
@@ -203,10 +244,14 @@ impl Tx<'_> {
     ) -> Result<Option<ClosedRun>> {
         let (status, run) = self.current_run_checked(task_id, expected_run)?;
         if matches!(status, TaskStatus::Done | TaskStatus::Archived) {
-            return Err(BoardError::Conflict(format!("task {task_id} is already {status}")));
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} is already {status}"
+            )));
         }
         let closed = match run {
-            Some(run_id) => Some(self.close_run(run_id, RunOutcome::Completed, now, result, None)?),
+            Some(run_id) => {
+                Some(self.close_run(run_id, RunOutcome::Completed, now, result, None)?)
+            }
             None => None,
         };
         let changed = self
@@ -218,7 +263,9 @@ impl Tx<'_> {
             )?
             .execute(params![task_id, result, now, status.as_str()])?;
         if changed != 1 {
-            return Err(BoardError::Conflict(format!("task {task_id} changed concurrently")));
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} changed concurrently"
+            )));
         }
         self.append_event(
             Some(task_id),
@@ -240,11 +287,18 @@ impl Tx<'_> {
         now: Millis,
     ) -> Result<Option<ClosedRun>> {
         let (status, run) = self.current_run_checked(task_id, expected_run)?;
-        if matches!(status, TaskStatus::Done | TaskStatus::Archived | TaskStatus::Blocked) {
-            return Err(BoardError::Conflict(format!("task {task_id} is already {status}")));
+        if matches!(
+            status,
+            TaskStatus::Done | TaskStatus::Archived | TaskStatus::Blocked
+        ) {
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} is already {status}"
+            )));
         }
         let closed = match run {
-            Some(run_id) => Some(self.close_run(run_id, RunOutcome::Blocked, now, None, Some(reason))?),
+            Some(run_id) => {
+                Some(self.close_run(run_id, RunOutcome::Blocked, now, None, Some(reason))?)
+            }
             None => None,
         };
         let changed = self
@@ -255,9 +309,17 @@ impl Tx<'_> {
             )?
             .execute(params![task_id, reason, now, status.as_str()])?;
         if changed != 1 {
-            return Err(BoardError::Conflict(format!("task {task_id} changed concurrently")));
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} changed concurrently"
+            )));
         }
-        self.append_event(Some(task_id), run, "blocked", json!({ "reason": reason }), now)?;
+        self.append_event(
+            Some(task_id),
+            run,
+            "blocked",
+            json!({ "reason": reason }),
+            now,
+        )?;
         Ok(closed)
     }
 
@@ -266,7 +328,9 @@ impl Tx<'_> {
     pub fn reclaim_task(&self, task_id: TaskId, reason: &str, now: Millis) -> Result<ClosedRun> {
         let (status, run) = self.current_run_checked(task_id, None)?;
         let Some(run_id) = run else {
-            return Err(BoardError::Conflict(format!("task {task_id} is {status}, not running")));
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} is {status}, not running"
+            )));
         };
         let closed = self.close_run(run_id, RunOutcome::Reclaimed, now, None, Some(reason))?;
         let next = if self.parents_satisfied(task_id)? {
@@ -280,7 +344,13 @@ impl Tx<'_> {
                  WHERE id = ?1 AND status = 'running'",
             )?
             .execute(params![task_id, next.as_str(), now])?;
-        self.append_event(Some(task_id), Some(run_id), "reclaimed", json!({ "reason": reason }), now)?;
+        self.append_event(
+            Some(task_id),
+            Some(run_id),
+            "reclaimed",
+            json!({ "reason": reason }),
+            now,
+        )?;
         Ok(closed)
     }
 
@@ -337,7 +407,12 @@ impl Tx<'_> {
                 now,
             )?;
         }
-        Ok(FailResult { closed, status, consecutive_failures: failures, not_before })
+        Ok(FailResult {
+            closed,
+            status,
+            consecutive_failures: failures,
+            not_before,
+        })
     }
 
     /// Records how the worker process of a run ended (it was our child and we reaped it): its
@@ -378,7 +453,9 @@ impl Tx<'_> {
             .execute(params![run_id, outcome.as_str(), now, summary, error])?;
         let run = self.get_run(run_id)?;
         if changed != 1 {
-            return Err(BoardError::Conflict(format!("run {run_id} is already closed")));
+            return Err(BoardError::Conflict(format!(
+                "run {run_id} is already closed"
+            )));
         }
         let closed = ClosedRun {
             task_id: run.task_id,

@@ -56,7 +56,9 @@ impl Tx<'_> {
         let id = self.conn.last_insert_rowid();
         for &parent in &new.parents {
             self.conn
-                .prepare_cached("INSERT OR IGNORE INTO task_links (parent_id, child_id) VALUES (?1, ?2)")?
+                .prepare_cached(
+                    "INSERT OR IGNORE INTO task_links (parent_id, child_id) VALUES (?1, ?2)",
+                )?
                 .execute(params![parent, id])?;
         }
         self.append_event(
@@ -79,7 +81,9 @@ impl Tx<'_> {
     /// parent is unfinished goes back to `todo`.
     pub fn link(&self, parent: TaskId, child: TaskId, now: Millis) -> Result<()> {
         if parent == child {
-            return Err(BoardError::Invalid(format!("task {parent} cannot depend on itself")));
+            return Err(BoardError::Invalid(format!(
+                "task {parent} cannot depend on itself"
+            )));
         }
         let parent_status = self.task_status(parent)?;
         let child_status = self.task_status(child)?;
@@ -96,12 +100,20 @@ impl Tx<'_> {
         }
         let inserted = self
             .conn
-            .prepare_cached("INSERT OR IGNORE INTO task_links (parent_id, child_id) VALUES (?1, ?2)")?
+            .prepare_cached(
+                "INSERT OR IGNORE INTO task_links (parent_id, child_id) VALUES (?1, ?2)",
+            )?
             .execute(params![parent, child])?;
         if inserted == 0 {
             return Ok(());
         }
-        self.append_event(Some(child), None, "linked", json!({ "parent": parent }), now)?;
+        self.append_event(
+            Some(child),
+            None,
+            "linked",
+            json!({ "parent": parent }),
+            now,
+        )?;
         if child_status == TaskStatus::Ready && !parent_status.satisfies_dependency() {
             self.set_status(child, TaskStatus::Ready, TaskStatus::Todo, now)?;
             self.append_event(
@@ -155,10 +167,18 @@ impl Tx<'_> {
             return Err(BoardError::Invalid("comment must not be empty".into()));
         }
         self.conn
-            .prepare_cached("INSERT INTO task_comments (task_id, author, body, at) VALUES (?1, ?2, ?3, ?4)")?
+            .prepare_cached(
+                "INSERT INTO task_comments (task_id, author, body, at) VALUES (?1, ?2, ?3, ?4)",
+            )?
             .execute(params![task_id, author, body, now])?;
         let id = self.conn.last_insert_rowid();
-        self.append_event(Some(task_id), None, "commented", json!({ "author": author, "comment_id": id }), now)?;
+        self.append_event(
+            Some(task_id),
+            None,
+            "commented",
+            json!({ "author": author, "comment_id": id }),
+            now,
+        )?;
         Ok(id)
     }
 
@@ -182,7 +202,13 @@ impl Tx<'_> {
                  not_before = 0, updated_at = ?3 WHERE id = ?1 AND status = 'blocked'",
             )?
             .execute(params![task_id, next.as_str(), now])?;
-        self.append_event(Some(task_id), None, "unblocked", json!({ "status": next }), now)?;
+        self.append_event(
+            Some(task_id),
+            None,
+            "unblocked",
+            json!({ "status": next }),
+            now,
+        )?;
         Ok(next)
     }
 
@@ -191,7 +217,9 @@ impl Tx<'_> {
     pub fn archive_task(&self, task_id: TaskId, now: Millis) -> Result<Option<ClosedRun>> {
         let task = self.get_task(task_id)?;
         if task.status == TaskStatus::Archived {
-            return Err(BoardError::Conflict(format!("task {task_id} is already archived")));
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} is already archived"
+            )));
         }
         let closed = match task.current_run_id {
             Some(run_id) if task.status == TaskStatus::Running => Some(self.close_run(
@@ -211,9 +239,17 @@ impl Tx<'_> {
             )?
             .execute(params![task_id, now, task.status.as_str()])?;
         if changed != 1 {
-            return Err(BoardError::Conflict(format!("task {task_id} changed concurrently")));
+            return Err(BoardError::Conflict(format!(
+                "task {task_id} changed concurrently"
+            )));
         }
-        self.append_event(Some(task_id), None, "archived", json!({ "from": task.status }), now)?;
+        self.append_event(
+            Some(task_id),
+            None,
+            "archived",
+            json!({ "from": task.status }),
+            now,
+        )?;
         self.promote_children(task_id, now)?;
         Ok(closed)
     }
@@ -245,7 +281,9 @@ impl Tx<'_> {
     fn promote(&self, candidates: Vec<TaskId>, now: Millis) -> Result<Vec<TaskId>> {
         let mut promoted = Vec::new();
         for id in candidates {
-            if self.parents_satisfied(id)? && self.set_status(id, TaskStatus::Todo, TaskStatus::Ready, now)? {
+            if self.parents_satisfied(id)?
+                && self.set_status(id, TaskStatus::Todo, TaskStatus::Ready, now)?
+            {
                 self.append_event(Some(id), None, "promoted", json!({}), now)?;
                 promoted.push(id);
             }
@@ -266,10 +304,18 @@ impl Tx<'_> {
     }
 
     /// Compare-and-swap on a task's status; true if it changed.
-    pub(super) fn set_status(&self, id: TaskId, from: TaskStatus, to: TaskStatus, now: Millis) -> Result<bool> {
+    pub(super) fn set_status(
+        &self,
+        id: TaskId,
+        from: TaskStatus,
+        to: TaskStatus,
+        now: Millis,
+    ) -> Result<bool> {
         let n = self
             .conn
-            .prepare_cached("UPDATE tasks SET status = ?3, updated_at = ?4 WHERE id = ?1 AND status = ?2")?
+            .prepare_cached(
+                "UPDATE tasks SET status = ?3, updated_at = ?4 WHERE id = ?1 AND status = ?2",
+            )?
             .execute(params![id, from.as_str(), to.as_str(), now])?;
         Ok(n == 1)
     }

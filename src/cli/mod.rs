@@ -69,7 +69,8 @@ pub fn load_config(cli: &Cli) -> Result<Config, CliError> {
     let path = Config::resolve_path(cli.config.as_deref());
     let mut config = Config::load(&path).map_err(|e| CliError::usage(e.to_string()))?;
     if let Some(socket) = &cli.socket {
-        config.supervisor.socket = Some(std::path::absolute(socket).unwrap_or_else(|_| socket.clone()));
+        config.supervisor.socket =
+            Some(std::path::absolute(socket).unwrap_or_else(|_| socket.clone()));
     }
     Ok(config)
 }

@@ -8,7 +8,10 @@ pub fn serve(cli: &Cli) -> Result<(), CliError> {
     let config = load_config(cli)?;
     let shutdown = async {
         use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
             tracing::error!("cannot install signal handlers; stop with SIGKILL");
             return std::future::pending().await;
         };

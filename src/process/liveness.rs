@@ -82,27 +82,39 @@ pub(crate) fn verdict(stat: &ProcStat, expected: &Fingerprint) -> Liveness {
 
 /// Group liveness: true while any process other than a zombie has pgrp == pgid (scan
 /// /proc/*/stat; skip unreadable entries).
+///
+/// If /proc cannot be listed at all the answer is true: an empty group must be proven, since
+/// "gone" ends the waiting and the escalation to SIGKILL.
 pub fn group_alive(pgid: Pid) -> bool {
-    // Short-circuits on the first live member.
-    group_scan(pgid).next().is_some()
+    match group_scan(pgid) {
+        // Short-circuits on the first live member.
+        Some(mut members) => members.next().is_some(),
+        None => pgid > 0,
+    }
 }
 
-/// All live (non-zombie) pids in process group pgid.
+/// All live (non-zombie) pids in process group pgid (empty if /proc cannot be listed).
 pub fn group_members(pgid: Pid) -> Vec<Pid> {
-    let mut pids: Vec<Pid> = group_scan(pgid).collect();
+    let mut pids: Vec<Pid> = group_scan(pgid).into_iter().flatten().collect();
     pids.sort_unstable();
     pids
 }
 
-/// Live members of `pgid`. pgid <= 0 names no group: 0 and -1 mean "mine" and "everyone" to
-/// kill(2), and must never be mistaken for a worker's group.
-fn group_scan(pgid: Pid) -> impl Iterator<Item = Pid> {
-    let stats = if pgid > 0 { all_stats() } else { None };
-    stats
-        .into_iter()
-        .flatten()
-        .filter(move |stat| stat.pgrp == pgid && !stat.is_zombie())
-        .map(|stat| stat.pid)
+/// Live members of `pgid`; `None` when /proc cannot be listed. pgid <= 0 names no group (0 and
+/// -1 mean "mine" and "everyone" to kill(2), never a worker's group), so it has no members.
+fn group_scan(pgid: Pid) -> Option<impl Iterator<Item = Pid>> {
+    let stats = if pgid > 0 {
+        all_stats()?
+    } else {
+        return Some(None.into_iter().flatten());
+    };
+    Some(
+        Some(stats)
+            .into_iter()
+            .flatten()
+            .filter(move |stat| stat.pgrp == pgid && !stat.is_zombie())
+            .map(|stat| stat.pid),
+    )
 }
 
 /// Every process's stat, skipping entries that vanish or cannot be read mid-scan; `None` when
@@ -161,7 +173,10 @@ mod tests {
             liveness(pid, &fp)
         );
         child.wait().unwrap();
-        assert_eq!(liveness(pid, &fp), Liveness::Dead(DeadReason::NoSuchProcess));
+        assert_eq!(
+            liveness(pid, &fp),
+            Liveness::Dead(DeadReason::NoSuchProcess)
+        );
     }
 
     #[test]

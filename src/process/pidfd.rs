@@ -284,7 +284,12 @@ mod tests {
             Some(ExitStatus::Signal(libc::SIGKILL))
         );
         // Reaped: the group is empty, a second reap has no child to reap.
-        assert!(pidfd.signal_group(Signal::SIGTERM).unwrap_err().is_no_such_process());
+        assert!(
+            pidfd
+                .signal_group(Signal::SIGTERM)
+                .unwrap_err()
+                .is_no_such_process()
+        );
         assert!(!pidfd.group_exists().unwrap());
         assert!(pidfd.try_reap().is_err());
     }

@@ -55,7 +55,13 @@ impl Signaller for PidfdSignaller {
         } else {
             pidfd.signal(sig)
         };
-        tracing::debug!(pid, ?sig, group = stat.pgrp == pid, ok = result.is_ok(), "signal");
+        tracing::debug!(
+            pid,
+            ?sig,
+            group = stat.pgrp == pid,
+            ok = result.is_ok(),
+            "signal"
+        );
         sent(result)
     }
 }
@@ -131,7 +137,11 @@ pub fn terminate(
     if target.wait_ended(deadline)? {
         return Ok(Ended::Sigterm);
     }
-    tracing::info!(pid, ?kill_timeout, "still running after SIGTERM; sending SIGKILL");
+    tracing::info!(
+        pid,
+        ?kill_timeout,
+        "still running after SIGTERM; sending SIGKILL"
+    );
     Ok(match target.deliver(Signal::SIGKILL)? {
         None => Ended::Sigkill,
         // Proven gone just as the timeout ran out: SIGKILL was not needed after all.
@@ -198,7 +208,10 @@ pub fn terminate_group(pidfd: &PidFd, kill_timeout: Duration) -> Result<Ended, P
     if wait_group_gone(pidfd, deadline)? {
         return Ok(Ended::Sigterm);
     }
-    tracing::info!(pid = pidfd.pid(), "group still running after SIGTERM; sending SIGKILL");
+    tracing::info!(
+        pid = pidfd.pid(),
+        "group still running after SIGTERM; sending SIGKILL"
+    );
     match pidfd.signal_group(Signal::SIGKILL) {
         Ok(()) => Ok(Ended::Sigkill),
         Err(ProcessError::NoSuchProcess { .. }) => Ok(Ended::Sigterm),
@@ -290,7 +303,12 @@ mod tests {
     struct Recording(Mutex<Vec<(&'static str, Signal)>>);
 
     impl Signaller for Recording {
-        fn send(&self, pid: Pid, expected: &Fingerprint, sig: Signal) -> Result<Sent, ProcessError> {
+        fn send(
+            &self,
+            pid: Pid,
+            expected: &Fingerprint,
+            sig: Signal,
+        ) -> Result<Sent, ProcessError> {
             self.0.lock().unwrap().push(("send", sig));
             PidfdSignaller.send(pid, expected, sig)
         }

@@ -169,7 +169,10 @@ mod tests {
     fn comm_that_fakes_the_field_boundary() {
         // A comm of ") (" would end comm early for a parser anchored on the first ')'.
         assert_eq!(parse_stat(&line(") (")).unwrap(), expect(") ("));
-        assert_eq!(parse_stat(&line("x) Z 1 1 1 (")).unwrap(), expect("x) Z 1 1 1 ("));
+        assert_eq!(
+            parse_stat(&line("x) Z 1 1 1 (")).unwrap(),
+            expect("x) Z 1 1 1 (")
+        );
     }
 
     #[test]

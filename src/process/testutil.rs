@@ -21,6 +21,10 @@ impl Drop for GroupKill {
 
 /// Spawns `sh -c script` as the leader of a new process group; returns a pidfd for the test and
 /// a guard holding its own pidfd.
+#[expect(
+    clippy::zombie_processes,
+    reason = "reaped through the pidfd, by the test or GroupKill"
+)]
 pub(crate) fn spawn_leader(script: &str) -> (PidFd, GroupKill) {
     let child = Command::new("sh")
         .args(["-c", script])

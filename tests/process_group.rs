@@ -1,0 +1,255 @@
+//! Ending workers' process groups with real processes: SIGTERM suffices, SIGKILL is needed, a
+//! recycled fingerprint is never signalled, a reaped leader's group is still reachable, and
+//! escaped descendants are adopted and reaped.
+
+#[allow(dead_code)]
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::proc_guard::{ChildGuard, wait_until};
+use runwarden::process::{
+    DeadReason, Ended, Fingerprint, Liveness, Pid, PidFd, PidfdSignaller, ProcessError, Sent,
+    Signal, Signaller, become_subreaper, fingerprint, group_alive, group_members, liveness,
+    read_stat, reap_orphans, terminate, terminate_group,
+};
+
+/// Generous bound for the kernel and init to catch up; every wait polls, none sleeps blindly.
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// Spawns `sh -c script` as the leader of its own process group.
+fn spawn_group(script: &str) -> ChildGuard {
+    ChildGuard::spawn(
+        Command::new("sh")
+            .args(["-c", script])
+            .stdin(Stdio::null())
+            .process_group(0),
+    )
+    .expect("spawn sh")
+}
+
+/// Waits for the group to have `n` live members; returns them with their fingerprints.
+fn members(pgid: Pid, n: usize) -> Vec<(Pid, Fingerprint)> {
+    assert!(
+        wait_until(SETTLE, || group_members(pgid).len() == n),
+        "group {pgid} never had {n} members: {:?}",
+        group_members(pgid)
+    );
+    group_members(pgid)
+        .into_iter()
+        .map(|pid| (pid, fingerprint(pid).expect("fingerprint of a member")))
+        .collect()
+}
+
+/// Asserts (bounded poll) that nothing of the group is left running.
+fn assert_all_gone(pgid: Pid, procs: &[(Pid, Fingerprint)]) {
+    assert!(
+        wait_until(SETTLE, || !group_alive(pgid)),
+        "group {pgid} still has {:?}",
+        group_members(pgid)
+    );
+    for (pid, fp) in procs {
+        // Gone, a zombie awaiting its reaper, or its pid already reused: dead in every case.
+        assert!(
+            wait_until(SETTLE, || matches!(liveness(*pid, fp), Liveness::Dead(_))),
+            "member {pid} survived: {:?}",
+            liveness(*pid, fp)
+        );
+    }
+}
+
+#[test]
+fn sigterm_ends_the_leader_and_both_sleeps() {
+    let leader = spawn_group("sleep 300 & sleep 300 & wait");
+    let pid = leader.pid();
+    let fp = fingerprint(pid).unwrap();
+    let procs = members(pid, 3);
+    let sleeps: Vec<Pid> = procs
+        .iter()
+        .map(|(p, _)| *p)
+        .filter(|&p| p != pid)
+        .collect();
+    assert_eq!(sleeps.len(), 2);
+
+    let ended = terminate(&PidfdSignaller, pid, &fp, SETTLE).unwrap();
+
+    assert_eq!(ended, Ended::Sigterm);
+    assert_all_gone(pid, &procs);
+    // Our unreaped child: a zombie until the guard reaps it.
+    assert_eq!(liveness(pid, &fp), Liveness::Dead(DeadReason::Zombie));
+}
+
+#[test]
+fn a_group_that_ignores_sigterm_gets_sigkill() {
+    let leader = spawn_group(r#"trap "" TERM; sleep 300 & sleep 300 & wait"#);
+    let pid = leader.pid();
+    let fp = fingerprint(pid).unwrap();
+    let procs = members(pid, 3);
+
+    let kill_timeout = Duration::from_millis(300);
+    let started = Instant::now();
+    let ended = terminate(&PidfdSignaller, pid, &fp, kill_timeout).unwrap();
+
+    assert_eq!(ended, Ended::Sigkill);
+    assert!(started.elapsed() >= kill_timeout);
+    assert_all_gone(pid, &procs);
+}
+
+#[test]
+fn a_recycled_fingerprint_is_never_signalled() {
+    let leader = spawn_group("sleep 300 & wait");
+    let pid = leader.pid();
+    let fp = fingerprint(pid).unwrap();
+    members(pid, 2);
+    let stranger = Fingerprint {
+        start_ticks: fp.start_ticks - 1,
+        ..fp.clone()
+    };
+
+    let ended = terminate(&PidfdSignaller, pid, &stranger, Duration::from_millis(100)).unwrap();
+
+    assert_eq!(ended, Ended::NotOurs(Liveness::Dead(DeadReason::Recycled)));
+    assert_eq!(
+        PidfdSignaller
+            .send(pid, &stranger, Signal::SIGKILL)
+            .unwrap(),
+        Sent::NotOurs(Liveness::Dead(DeadReason::Recycled))
+    );
+    // Give a stray signal the time to land before checking nothing was hit.
+    assert!(
+        !leader
+            .pidfd()
+            .wait_exit(Duration::from_millis(200))
+            .unwrap()
+    );
+    assert_eq!(liveness(pid, &fp), Liveness::Alive);
+    assert_eq!(group_members(pid).len(), 2);
+}
+
+#[test]
+fn terminate_group_reaches_members_after_the_leader_was_reaped() {
+    let mut leader = spawn_group("sleep 300 & sleep 300 & exit 0");
+    let pid = leader.pid();
+    // Opened while the leader is our unreaped child: it names it, and later its group.
+    let pidfd = PidFd::open(pid).unwrap();
+    assert!(leader.wait().unwrap().success());
+    assert!(read_stat(pid).is_err_and(|e| e.is_no_such_process()));
+    let procs = members(pid, 2);
+
+    let ended = terminate_group(&pidfd, SETTLE).unwrap();
+
+    assert_eq!(ended, Ended::Sigterm);
+    assert_all_gone(pid, &procs);
+    // Nothing left: once the members' zombies are reaped (by init, or by us if a parallel test
+    // made this process a subreaper) the group signal finds no one, which is fine.
+    let member_pids: Vec<Pid> = procs.iter().map(|(p, _)| *p).collect();
+    assert!(wait_until(SETTLE, || {
+        reap_orphans(&|p| !member_pids.contains(&p));
+        pidfd
+            .signal_group(Signal::SIGTERM)
+            .is_err_and(|e| e.is_no_such_process())
+    }));
+    assert_eq!(terminate_group(&pidfd, SETTLE).unwrap(), Ended::Sigterm);
+}
+
+/// Delivers for real and records which path each signal took.
+#[derive(Default)]
+struct Recording(Mutex<Vec<(&'static str, Signal)>>);
+
+impl Signaller for Recording {
+    fn send(&self, pid: Pid, expected: &Fingerprint, sig: Signal) -> Result<Sent, ProcessError> {
+        self.0.lock().unwrap().push(("send", sig));
+        PidfdSignaller.send(pid, expected, sig)
+    }
+    fn send_group(&self, leader: &PidFd, sig: Signal) -> Result<Sent, ProcessError> {
+        self.0.lock().unwrap().push(("send_group", sig));
+        PidfdSignaller.send_group(leader, sig)
+    }
+}
+
+#[test]
+fn terminate_kills_members_left_behind_by_a_leader_reaped_mid_way() {
+    // The shell dies of SIGTERM, its children ignore it; the leader's owner (a WorkerActor in
+    // the supervisor) reaps it at once, so by the kill timeout its pid names nothing.
+    let leader =
+        spawn_group(r#"(trap "" TERM; exec sleep 300) & (trap "" TERM; exec sleep 300) & wait"#);
+    let pid = leader.pid();
+    let fp = fingerprint(pid).unwrap();
+    let procs = members(pid, 3);
+    let owner_fd = PidFd::open(pid).unwrap();
+    let owner = std::thread::spawn(move || {
+        owner_fd.wait_exit(SETTLE).unwrap() && owner_fd.try_reap().unwrap().is_some()
+    });
+    // The trap must be in place in both subshells before SIGTERM is sent.
+    assert!(wait_until(SETTLE, || {
+        procs
+            .iter()
+            .filter(|(p, _)| *p != pid)
+            .all(|(p, _)| read_stat(*p).is_ok_and(|s| s.comm == "sleep"))
+    }));
+
+    let rec = Recording::default();
+    let ended = terminate(&rec, pid, &fp, Duration::from_millis(500)).unwrap();
+
+    assert!(owner.join().unwrap(), "the owner did not reap the leader");
+    assert_eq!(ended, Ended::Sigkill);
+    assert_eq!(
+        *rec.0.lock().unwrap(),
+        [
+            ("send", Signal::SIGTERM),
+            ("send", Signal::SIGKILL),
+            ("send_group", Signal::SIGKILL)
+        ]
+    );
+    assert_all_gone(pid, &procs);
+}
+
+#[test]
+fn an_escaped_descendant_is_adopted_and_reaped() {
+    become_subreaper().unwrap();
+    let me = std::process::id() as Pid;
+    // The descendant leaves the worker's group and session, out of reach of a group signal.
+    let mut leader = ChildGuard::spawn(
+        Command::new("sh")
+            .args(["-c", "setsid sleep 1 & echo $!"])
+            .stdout(Stdio::piped())
+            .process_group(0),
+    )
+    .unwrap();
+    let mut line = String::new();
+    BufReader::new(leader.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let escaped: Pid = line.trim().parse().unwrap();
+    // Pin it while its parent still waits to be reaped, so the cleanup below is exact.
+    let escaped_fd = PidFd::open(escaped).unwrap();
+    let _cleanup = scopeguard(move || {
+        let _ = escaped_fd.signal(Signal::SIGKILL);
+    });
+    assert!(leader.wait().unwrap().success());
+
+    // Re-parented to us, not to init; then it exits and only we can reap it.
+    assert!(wait_until(SETTLE, || read_stat(escaped)
+        .is_ok_and(|s| s.ppid == me && s.pgrp == escaped)));
+    assert!(wait_until(SETTLE, || read_stat(escaped).is_ok_and(|s| s.is_zombie())));
+    // Other tests in this binary run in parallel: spare every child but this one.
+    assert_eq!(reap_orphans(&|pid| pid != escaped), [escaped]);
+    assert!(read_stat(escaped).is_err_and(|e| e.is_no_such_process()));
+}
+
+/// Runs `f` on drop, so cleanup happens even when an assertion fails.
+fn scopeguard(f: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
+}

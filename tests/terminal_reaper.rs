@@ -1,0 +1,413 @@
+//! The terminal-worker reaper's invariants, with real processes and a real SQLite board
+//! (reimplements the upstream `test_kanban_terminal_worker_reaper.py`):
+//!
+//! - a worker alive long after its run completed is ended by a dispatch pass that spawns nothing;
+//! - a recycled fingerprint and a legacy row (no fingerprint) are never signalled; an exited
+//!   worker's evidence is cleared as gone;
+//! - a just-closed run is left alone until its grace has passed;
+//! - one failing row does not abort the sweep, and is retried later;
+//! - a stale `expected_run` is refused.
+
+#[allow(dead_code)]
+mod common;
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::board::{
+    FailingFor, GRACE, KILL_TIMEOUT, LEASE_MS, RecordingSignaller, SETTLE, assert_evidence_cleared,
+    assert_evidence_kept, completed_with_worker, events_of, exits_within_settle, kinds, run,
+    sleeper, still_running, temp_board,
+};
+use runwarden::board::{
+    self, BoardError, Claim, DispatchOptions, NewTask, TaskStatus, now_millis,
+    reap_terminal_workers,
+};
+use runwarden::process::{DeadReason, Fingerprint, Liveness, PidfdSignaller, Signal, liveness};
+
+const GRACE_MS: i64 = GRACE.as_millis() as i64;
+
+#[test]
+fn worker_alive_after_completion_is_reaped_by_a_dispatch_pass() {
+    let mut tb = temp_board();
+    let (mut worker, fp) = sleeper(120);
+    let pid = worker.pid();
+    let ended_at = now_millis();
+    let (task, run_id) = completed_with_worker(&mut tb.board, "finished", pid, Some(&fp), ended_at);
+
+    // The evidence the running-only sweeps lose lives on the closed run row.
+    let closed = run(&mut tb.board, run_id);
+    assert_eq!(closed.ended_at, Some(ended_at));
+    assert_evidence_kept(&closed, pid, Some(&fp));
+
+    let spawns = Cell::new(0u32);
+    let mut spawn = |_: &Claim| -> Result<(i32, Option<Fingerprint>), String> {
+        spawns.set(spawns.get() + 1);
+        Err("spawning is disabled in this test".into())
+    };
+    let signaller = PidfdSignaller;
+    let report = board::dispatch_once(
+        &mut tb.board,
+        DispatchOptions {
+            now: ended_at + 600_000,
+            claimer: "test-dispatcher",
+            dry_run: true,
+            max_spawn: 0,
+            max_in_progress: 8,
+            assignee_caps: BTreeMap::from([("coder".to_string(), 2)]),
+            lease: Duration::from_millis(LEASE_MS as u64),
+            default_max_retries: 2,
+            grace: GRACE,
+            kill_timeout: KILL_TIMEOUT,
+            signaller: &signaller,
+            spawn: &mut spawn,
+        },
+    )
+    .expect("dispatch_once");
+
+    assert_eq!(report.reaped_terminal_workers, vec![task]);
+    assert!(
+        report.claimed.is_empty() && report.spawn_failed.is_empty(),
+        "{report:?}"
+    );
+    assert_eq!(spawns.get(), 0, "a dry run spawns nothing");
+    assert!(
+        exits_within_settle(&mut worker),
+        "worker {pid} still running {SETTLE:?} after the reaper ended it"
+    );
+    let status = worker.try_wait().unwrap().expect("reaped above");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(Signal::SIGTERM as i32),
+        "ended by SIGTERM: {status:?}"
+    );
+
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pid);
+    let reaped = events_of(&mut tb.board, task, "terminal_worker_reaped");
+    assert_eq!(reaped.len(), 1, "{:?}", kinds(&mut tb.board, task));
+    assert_eq!(reaped[0].run_id, Some(run_id));
+    assert_eq!(reaped[0].payload["pid"], pid);
+    assert_eq!(reaped[0].payload["start_ticks"], fp.start_ticks);
+    assert_eq!(reaped[0].payload["ended_by"], "sigterm");
+
+    // Cleared evidence is not rescanned: a second pass has nothing to do.
+    let again = reap_terminal_workers(
+        &mut tb.board,
+        &RecordingSignaller::default(),
+        ended_at + 700_000,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(again, Vec::<i64>::new());
+}
+
+#[test]
+fn recycled_fingerprint_and_legacy_row_are_never_signalled() {
+    let mut tb = temp_board();
+    let (mut stranger, stranger_fp) = sleeper(120);
+    let (mut legacy, legacy_fp) = sleeper(120);
+    let ended_at = now_millis();
+
+    // PID reuse: the recorded fingerprint names a process that started at another time.
+    let recycled_fp = Fingerprint {
+        start_ticks: stranger_fp.start_ticks + 1,
+        ..stranger_fp.clone()
+    };
+    let (recycled_task, recycled_run) = completed_with_worker(
+        &mut tb.board,
+        "recycled",
+        stranger.pid(),
+        Some(&recycled_fp),
+        ended_at,
+    );
+    // A row from before fingerprints were recorded.
+    let (legacy_task, legacy_run) =
+        completed_with_worker(&mut tb.board, "legacy", legacy.pid(), None, ended_at);
+
+    let signaller = RecordingSignaller::default();
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + 600_000,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+
+    assert_eq!(reaped, Vec::<i64>::new());
+    assert_eq!(signaller.sent(), vec![], "nothing may be signalled");
+    assert!(still_running(&mut stranger), "the stranger was ended");
+    assert!(still_running(&mut legacy), "the legacy worker was ended");
+    assert_eq!(liveness(stranger.pid(), &stranger_fp), Liveness::Alive);
+    assert_eq!(liveness(legacy.pid(), &legacy_fp), Liveness::Alive);
+
+    // Stale evidence is dropped (so it is not rescanned) and the reason recorded.
+    assert_evidence_cleared(&run(&mut tb.board, recycled_run), stranger.pid());
+    let recycled = events_of(&mut tb.board, recycled_task, "terminal_worker_pid_recycled");
+    assert_eq!(
+        recycled.len(),
+        1,
+        "{:?}",
+        kinds(&mut tb.board, recycled_task)
+    );
+    assert_eq!(recycled[0].run_id, Some(recycled_run));
+    assert_eq!(recycled[0].payload["pid"], stranger.pid());
+    assert_eq!(recycled[0].payload["start_ticks"], recycled_fp.start_ticks);
+
+    // The legacy row is left exactly as it was: never signalled, never cleared, no event.
+    let legacy_row = run(&mut tb.board, legacy_run);
+    assert_evidence_kept(&legacy_row, legacy.pid(), None);
+    assert_eq!(legacy_row.spawned_pid, Some(i64::from(legacy.pid())));
+    let legacy_kinds = kinds(&mut tb.board, legacy_task);
+    assert!(
+        !legacy_kinds
+            .iter()
+            .any(|k| k.starts_with("terminal_worker")),
+        "no reaper event on a legacy row: {legacy_kinds:?}"
+    );
+
+    // Still true on the next sweep.
+    let again = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + 700_000,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(again, Vec::<i64>::new());
+    assert_eq!(signaller.sent(), vec![]);
+    assert!(still_running(&mut stranger) && still_running(&mut legacy));
+    assert_evidence_kept(&run(&mut tb.board, legacy_run), legacy.pid(), None);
+}
+
+#[test]
+fn exited_worker_is_cleared_as_gone_without_a_signal() {
+    let mut tb = temp_board();
+    let (mut worker, fp) = sleeper(120);
+    let pid = worker.pid();
+    let ended_at = now_millis();
+    let (task, run_id) = completed_with_worker(&mut tb.board, "exited", pid, Some(&fp), ended_at);
+
+    // The worker exits on its own and is reaped: its pid names nothing (or, should the kernel
+    // hand it out at once, another process: either way not ours).
+    worker.pidfd().signal(Signal::SIGKILL).unwrap();
+    worker.wait().unwrap();
+    assert!(matches!(liveness(pid, &fp), Liveness::Dead(_)));
+
+    let signaller = RecordingSignaller::default();
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + 600_000,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+
+    assert_eq!(reaped, Vec::<i64>::new(), "nothing was ended by the reaper");
+    assert_eq!(signaller.sent(), vec![]);
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pid);
+    let gone = events_of(&mut tb.board, task, "terminal_worker_gone");
+    assert_eq!(gone.len(), 1, "{:?}", kinds(&mut tb.board, task));
+    assert_eq!(gone[0].payload["pid"], pid);
+    assert_eq!(
+        gone[0].payload["reason"],
+        DeadReason::NoSuchProcess.as_str()
+    );
+}
+
+#[test]
+fn fresh_terminal_run_is_left_alone_until_its_grace_has_passed() {
+    let mut tb = temp_board();
+    let (mut worker, fp) = sleeper(120);
+    let pid = worker.pid();
+    let ended_at = now_millis();
+    let (task, run_id) = completed_with_worker(&mut tb.board, "fresh", pid, Some(&fp), ended_at);
+    let signaller = RecordingSignaller::default();
+
+    // Just closed: the worker may still be finishing its last turn.
+    let first =
+        reap_terminal_workers(&mut tb.board, &signaller, ended_at, GRACE, KILL_TIMEOUT).unwrap();
+    assert_eq!(first, Vec::<i64>::new());
+    assert_eq!(signaller.sent(), vec![]);
+    assert!(still_running(&mut worker));
+    assert_evidence_kept(&run(&mut tb.board, run_id), pid, Some(&fp));
+
+    // One millisecond short of the grace: still left alone.
+    let almost = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + GRACE_MS - 1,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(almost, Vec::<i64>::new());
+    assert_eq!(signaller.sent(), vec![]);
+    assert!(still_running(&mut worker));
+    assert_evidence_kept(&run(&mut tb.board, run_id), pid, Some(&fp));
+
+    // Grace passed: ended, through exactly one SIGTERM to the recorded pid.
+    let second = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + GRACE_MS,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(second, vec![task]);
+    assert_eq!(signaller.sent(), vec![(pid, Signal::SIGTERM)]);
+    assert!(
+        exits_within_settle(&mut worker),
+        "worker {pid} survived the reaper"
+    );
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pid);
+    assert_eq!(
+        events_of(&mut tb.board, task, "terminal_worker_reaped").len(),
+        1
+    );
+}
+
+#[test]
+fn one_failing_row_does_not_abort_the_sweep() {
+    let mut tb = temp_board();
+    let (mut broken, broken_fp) = sleeper(120);
+    let (mut healthy, healthy_fp) = sleeper(120);
+    let ended_at = now_millis();
+    // The broken row closed first, so the sweep (oldest first) meets the failure first.
+    let (broken_task, broken_run) = completed_with_worker(
+        &mut tb.board,
+        "broken",
+        broken.pid(),
+        Some(&broken_fp),
+        ended_at,
+    );
+    let (healthy_task, healthy_run) = completed_with_worker(
+        &mut tb.board,
+        "healthy",
+        healthy.pid(),
+        Some(&healthy_fp),
+        ended_at + 1,
+    );
+
+    let signaller = FailingFor::new(broken.pid());
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + 600_000,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+
+    assert_eq!(reaped, vec![healthy_task]);
+    assert_eq!(
+        signaller.inner.sent(),
+        vec![(healthy.pid(), Signal::SIGTERM)]
+    );
+    assert!(
+        exits_within_settle(&mut healthy),
+        "the healthy worker survived"
+    );
+    assert_evidence_cleared(&run(&mut tb.board, healthy_run), healthy.pid());
+    // The failed row keeps its evidence and gets no verdict event: it is retried later.
+    assert!(still_running(&mut broken));
+    assert_evidence_kept(
+        &run(&mut tb.board, broken_run),
+        broken.pid(),
+        Some(&broken_fp),
+    );
+    let broken_kinds = kinds(&mut tb.board, broken_task);
+    assert!(
+        !broken_kinds
+            .iter()
+            .any(|k| k.starts_with("terminal_worker")),
+        "{broken_kinds:?}"
+    );
+
+    // A later sweep with a working signaller ends it.
+    let retried = reap_terminal_workers(
+        &mut tb.board,
+        &PidfdSignaller,
+        ended_at + 660_000,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(retried, vec![broken_task]);
+    assert!(
+        exits_within_settle(&mut broken),
+        "the retried worker survived"
+    );
+    assert_evidence_cleared(&run(&mut tb.board, broken_run), broken.pid());
+}
+
+#[test]
+fn stale_expected_run_is_refused() {
+    let mut tb = temp_board();
+    let t = now_millis();
+    let (task, old_run, new_run) = tb
+        .board
+        .write(|tx| {
+            let task = tx
+                .create_task(&NewTask::titled("reclaimed").for_assignee("coder"), t)?
+                .id;
+            let old = tx.claim_task(task, "first", t, LEASE_MS)?;
+            tx.reclaim_task(task, "lease expired", t + 1)?;
+            let new = tx.claim_task(task, "second", t + 2, LEASE_MS)?;
+            Ok((task, old.run_id, new.run_id))
+        })
+        .unwrap();
+    assert_ne!(old_run, new_run);
+
+    // The first worker reports late, with the run it was started for.
+    let err = tb
+        .board
+        .write(|tx| tx.complete_task(task, Some(old_run), Some("late"), t + 3))
+        .unwrap_err();
+    match &err {
+        BoardError::StaleRun {
+            task: t_id,
+            expected,
+            current,
+        } => {
+            assert_eq!(*t_id, task);
+            assert_eq!(*expected, old_run);
+            assert_eq!(*current, new_run.to_string());
+        }
+        other => panic!("expected StaleRun, got {other:?}"),
+    }
+    assert_eq!(err.code(), "stale_run");
+
+    let (status, current, run_open, completed_events) = tb
+        .board
+        .read(|tx| {
+            let task_row = tx.get_task(task)?;
+            let run_row = tx.get_run(new_run)?;
+            let events = tx.task_events_since(task, 0, 1000)?;
+            Ok((
+                task_row.status,
+                task_row.current_run_id,
+                run_row.is_open(),
+                events.iter().filter(|e| e.kind == "completed").count(),
+            ))
+        })
+        .unwrap();
+    assert_eq!(status, TaskStatus::Running);
+    assert_eq!(current, Some(new_run));
+    assert!(run_open, "the new run is untouched");
+    assert_eq!(completed_events, 0);
+
+    // The current run can still complete.
+    tb.board
+        .write(|tx| tx.complete_task(task, Some(new_run), Some("ok"), t + 4))
+        .unwrap();
+    assert_eq!(
+        tb.board.read(|tx| tx.task_status(task)).unwrap(),
+        TaskStatus::Done
+    );
+}
