@@ -14,6 +14,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::actors::dispatcher::{DispatcherActor, LiveWorkers, StopDispatching};
+use crate::actors::hooks::HookActor;
 use crate::actors::reaper::{ReaperActor, SweepNow};
 use crate::actors::store::{Flush, Store, StoreActor, StoreError};
 use crate::board::{self, Created, NewTask, OpenOptions, RunId, Task, TaskDetail, TaskId};
@@ -107,6 +108,9 @@ fn boot(config: Config) -> Result<Booted, SupervisorError> {
     )
     .start();
     let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone()).start();
+    if !config.hooks.is_empty() {
+        HookActor::new(config.hooks.clone(), store.clone()).start();
+    }
     tracing::info!(
         data_dir = %config.supervisor.data_dir.display(),
         pid = std::process::id(),

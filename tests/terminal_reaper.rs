@@ -17,9 +17,10 @@ use std::time::Duration;
 
 use common::board::{
     FailingFor, GRACE, KILL_TIMEOUT, LEASE_MS, RecordingSignaller, SETTLE, assert_evidence_cleared,
-    assert_evidence_kept, completed_with_worker, events_of, exits_within_settle, kinds, run,
-    sleeper, still_running, temp_board,
+    assert_evidence_kept, completed_with_worker, events_of, exits_within_settle, group_leader,
+    kinds, run, sleeper, still_running, temp_board,
 };
+use common::proc_guard::wait_until;
 use runwarden::board::{
     self, BoardError, Claim, DispatchOptions, NewTask, TaskStatus, now_millis,
     reap_terminal_workers,
@@ -410,4 +411,130 @@ fn stale_expected_run_is_refused() {
         tb.board.read(|tx| tx.task_status(task)).unwrap(),
         TaskStatus::Done
     );
+}
+
+#[test]
+fn reaper_ends_the_workers_whole_process_group() {
+    let mut tb = temp_board();
+    let (mut leader, fp) = group_leader("sleep 120 & sleep 120 & wait");
+    let pgid = leader.pid();
+    assert!(
+        wait_until(SETTLE, || group_members(pgid).len() == 3),
+        "group {pgid} never had its 3 members: {:?}",
+        group_members(pgid)
+    );
+    let ended_at = now_millis();
+    let (task, run_id) = completed_with_worker(&mut tb.board, "group", pgid, Some(&fp), ended_at);
+
+    let signaller = RecordingSignaller::default();
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + 600_000,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+
+    assert_eq!(reaped, vec![task]);
+    assert_eq!(signaller.sent(), vec![(pgid, Signal::SIGTERM)]);
+    assert!(exits_within_settle(&mut leader), "the leader survived");
+    assert!(
+        wait_until(SETTLE, || !group_alive(pgid)),
+        "members of group {pgid} survived the reaper: {:?}",
+        group_members(pgid)
+    );
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pgid);
+}
+
+#[test]
+fn worker_ignoring_sigterm_is_killed_after_the_kill_timeout() {
+    let mut tb = temp_board();
+    let (mut worker, fp) = group_leader("trap '' TERM; exec sleep 120");
+    let pid = worker.pid();
+    // The trap is in place once the shell has exec'd sleep (the ignored disposition survives
+    // exec); signalling earlier would kill the shell with SIGTERM.
+    assert!(
+        wait_until(SETTLE, || read_stat(pid).is_ok_and(|s| s.comm == "sleep")),
+        "the worker never exec'd sleep"
+    );
+    let ended_at = now_millis();
+    let (task, run_id) = completed_with_worker(&mut tb.board, "stubborn", pid, Some(&fp), ended_at);
+
+    let signaller = RecordingSignaller::default();
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + 600_000,
+        GRACE,
+        Duration::from_millis(200),
+    )
+    .unwrap();
+
+    assert_eq!(reaped, vec![task]);
+    assert_eq!(
+        signaller.sent(),
+        vec![(pid, Signal::SIGTERM), (pid, Signal::SIGKILL)]
+    );
+    assert!(exits_within_settle(&mut worker), "the worker survived SIGKILL");
+    let status = worker.try_wait().unwrap().expect("reaped above");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(Signal::SIGKILL as i32)
+    );
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pid);
+    let reaped_ev = events_of(&mut tb.board, task, "terminal_worker_reaped");
+    assert_eq!(reaped_ev.len(), 1);
+    assert_eq!(reaped_ev[0].payload["ended_by"], "sigkill");
+}
+
+/// The leader exited (a zombie its parent has not reaped yet) but its children live on in its
+/// group: the worker is not gone, and the reaper must end the group through the leader's pidfd
+/// (which `process::open_verified` allows for exactly this case) rather than clear the
+/// evidence as gone and leave the descendants running forever.
+#[test]
+fn zombie_leader_with_live_members_is_reaped_not_forgotten() {
+    let mut tb = temp_board();
+    let (mut leader, fp) = group_leader("sleep 120 & exit 0");
+    let pgid = leader.pid();
+    assert!(
+        wait_until(SETTLE, || {
+            read_stat(pgid).is_ok_and(|s| s.is_zombie()) && group_alive(pgid)
+        }),
+        "never saw a zombie leader {pgid} with a live group: {:?}",
+        read_stat(pgid)
+    );
+    let members = group_members(pgid);
+    assert_eq!(members.len(), 1, "{members:?}");
+    let ended_at = now_millis();
+    let (task, run_id) =
+        completed_with_worker(&mut tb.board, "zombie leader", pgid, Some(&fp), ended_at);
+
+    let signaller = RecordingSignaller::default();
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + 600_000,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+
+    let group_left = wait_until(SETTLE, || !group_alive(pgid));
+    let kinds_now = kinds(&mut tb.board, task);
+    assert!(
+        group_left,
+        "the worker's group {pgid} was left running ({:?}); sweep returned {reaped:?}, \
+         signals {:?}, events {kinds_now:?}",
+        group_members(pgid),
+        signaller.sent()
+    );
+    assert_eq!(reaped, vec![task]);
+    assert_eq!(signaller.sent(), vec![(pgid, Signal::SIGTERM)]);
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pgid);
+    assert_eq!(
+        events_of(&mut tb.board, task, "terminal_worker_reaped").len(),
+        1
+    );
+    assert!(exits_within_settle(&mut leader));
 }

@@ -75,6 +75,8 @@ struct Worker {
     addr: Addr<WorkerActor>,
     task_id: TaskId,
     pid: Option<i32>,
+    /// The run's token: descendants carrying it belong to this live run.
+    token: String,
 }
 
 /// The actor.
@@ -191,6 +193,7 @@ impl DispatcherActor {
     }
 
     fn start_worker(&mut self, claim: Claim, task: Task, ctx: &mut Context<Self>) {
+        let token = claim.token.clone();
         let Some((spec, policy, max_runtime)) = self.worker_setup(&task, claim.run_id, claim.token)
         else {
             return;
@@ -210,6 +213,7 @@ impl DispatcherActor {
                 addr: worker,
                 task_id: task.id,
                 pid: None,
+                token,
             },
         );
     }
@@ -480,6 +484,7 @@ impl DispatcherActor {
                         addr,
                         task_id: task.id,
                         pid: run.worker_pid.map(|p| p as i32),
+                        token: run.token.clone(),
                     },
                 );
                 let store = self.store.clone();
@@ -578,16 +583,23 @@ impl DispatcherActor {
         self.reconcile(ctx);
         // Zombies of descendants re-parented to us (we are a subreaper) are collected here;
         // our own workers' leaders are reaped by their actors, never here.
-        let keep: std::collections::HashSet<i32> =
-            self.workers.values().filter_map(|w| w.pid).collect();
         let logs: Vec<_> = self
             .workers
             .values()
             .map(|w| self.config.logs_dir().join(format!("{}.log", w.task_id)))
             .collect();
         let max_log = self.config.supervisor.log_max_bytes;
+        let live_tokens: std::collections::HashSet<String> = self.workers.values().map(|w| w.token.clone()).collect();
+        let kill = self.config.reaper.kill_timeout;
         actix_rt::task::spawn_blocking(move || {
-            let reaped = process::reap_orphans(&|pid| keep.contains(&pid));
+            // Escaped descendants of finished runs (setsid, double fork), re-parented to us.
+            let ended = process::descendants::end_stray_orphans(&|t| live_tokens.contains(t), kill);
+            if !ended.is_empty() {
+                tracing::info!(?ended, "ended descendants that outlived their run");
+            }
+            // Never a child some owner will reap itself (worker leaders, hooks): process-wide,
+            // since several supervisors may share this process.
+            let reaped = process::reap_orphans(&process::owned::is_registered);
             if !reaped.is_empty() {
                 tracing::debug!(?reaped, "reaped orphaned descendants");
             }

@@ -8,6 +8,7 @@
 //! `outcome` (what an exit means) and `spawn` (starting a child) are the workers' helpers.
 
 pub mod dispatcher;
+pub mod hooks;
 pub mod outcome;
 pub mod reaper;
 pub mod spawn;

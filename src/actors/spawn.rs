@@ -52,6 +52,11 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             spec.cwd.display()
         )
     })?;
+    if spec.uid.is_some() || spec.gid.is_some() {
+        // A worker that runs as another user must be able to work in its own directory.
+        std::os::unix::fs::chown(&spec.cwd, spec.uid, spec.gid)
+            .map_err(|e| format!("cannot hand {} to the worker's user: {e}", spec.cwd.display()))?;
+    }
     let log = open_log(&spec.log_path, spec.log_max_bytes)?;
     let log_err = log
         .try_clone()
@@ -108,10 +113,15 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             });
         }
     }
+    // Registered before anything can reap it (the lock spans fork to insert): the orphan
+    // reaper must leave it to its actor.
+    let mut owned = process::owned::lock();
     let child = cmd
         .spawn()
         .map_err(|e| format!("cannot start `{program}`: {e}"))?;
     let pid = child.id() as i32;
+    owned.insert(pid);
+    drop(owned);
     // The child is ours and not yet reaped, so its pid cannot be recycled before these reads:
     // the pidfd and the fingerprint are certainly this process's.
     let pidfd = PidFd::open(pid).map_err(|e| format!("cannot open pidfd for {pid}: {e}"))?;

@@ -15,7 +15,7 @@ use super::outcome::{self, ExitPolicy};
 use super::spawn::{self, SpawnSpec};
 use super::store::Store;
 use crate::board::{self, ExitInfo, RunId, TaskId};
-use crate::process::{self, ExitStatus, Fingerprint, PidFd, Signal};
+use crate::process::{self, ExitStatus, Fingerprint, PidFd, Signal, descendants};
 
 /// Why a worker is being ended; decides what its exit records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,7 +179,10 @@ impl WorkerActor {
                 // Not our child: its parent (init) reaps it and its status is lost to us.
                 return self.record_exit(pidfd, None, ctx);
             }
-            Ok(Some(s)) => s,
+            Ok(Some(s)) => {
+                process::owned::unregister(pidfd.pid());
+                s
+            }
             Ok(None) => {
                 // Readable but not yet reapable cannot happen for our own child; watch again.
                 tracing::debug!(
@@ -223,15 +226,10 @@ impl WorkerActor {
             },
         };
         // The leader is gone; anything left in its group is a leak nobody will clean up.
+        // (Descendants that escaped the group are re-parented to us and ended by the
+        // dispatcher's tick once no live run claims their token.)
         if process::group_alive(pidfd.pid()) {
-            let kill = self.kill_timeout;
-            let run_id = self.run_id();
-            let fd = pidfd.clone();
-            actix_rt::task::spawn_blocking(move || {
-                if let Err(e) = process::terminate_group(&fd, kill) {
-                    tracing::warn!(run_id, error = %e, "worker: cannot end leftover group members");
-                }
-            });
+            self.end_tree(pidfd.clone());
         }
         let store = self.store.clone();
         let ctx_in = outcome::ExitContext {
@@ -253,6 +251,17 @@ impl WorkerActor {
                 act.finish(ctx);
             })
             .wait(ctx);
+    }
+
+    /// Ends the worker's whole tree (group + token-carrying descendants) on the blocking pool:
+    /// blocking waits never run on an actor thread.
+    fn end_tree(&self, pidfd: Arc<PidFd>) {
+        let (run_id, token, kill) = (self.run_id(), self.spec.token.clone(), self.kill_timeout);
+        actix_rt::task::spawn_blocking(move || {
+            if let Err(e) = descendants::terminate_tree(&pidfd, &token, kill) {
+                tracing::warn!(run_id, error = %e, "worker: terminate failed");
+            }
+        });
     }
 
     fn watch(&mut self, ctx: &mut Context<Self>) {
@@ -402,13 +411,8 @@ impl Handler<Terminate> for WorkerActor {
         }
         self.terminating = Some(msg.reason);
         tracing::info!(run_id = self.run_id(), pid = pidfd.pid(), reason = ?msg.reason, "worker: terminating group");
-        let run_id = self.run_id();
-        // Blocking waits belong on the blocking pool, never on an actor thread.
-        actix_rt::task::spawn_blocking(move || {
-            if let Err(e) = process::terminate_group(&pidfd, msg.kill_after) {
-                tracing::warn!(run_id, error = %e, "worker: terminate failed");
-            }
-        });
+        self.kill_timeout = msg.kill_after;
+        self.end_tree(pidfd);
     }
 }
 

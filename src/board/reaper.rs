@@ -105,16 +105,14 @@ pub fn reap_one(
     signaller: &dyn Signaller,
     kill_timeout: Duration,
 ) -> std::result::Result<ReapVerdict, process::ProcessError> {
-    let verdict = match process::liveness(c.pid, &c.fingerprint) {
-        Liveness::Alive => {
-            match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
-                Ended::NotOurs(l) => verdict_for(l),
-                how => ReapVerdict::Reaped(how),
-            }
-        }
-        other => verdict_for(other),
-    };
-    Ok(verdict)
+    // `terminate` verifies identity itself (through a pidfd) and signals nothing that is not
+    // provably the recorded process; a zombie leader with live group members is still ended.
+    Ok(
+        match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
+            Ended::NotOurs(l) => verdict_for(l),
+            how => ReapVerdict::Reaped(how),
+        },
+    )
 }
 
 fn verdict_for(l: Liveness) -> ReapVerdict {

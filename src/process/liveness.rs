@@ -86,32 +86,32 @@ pub(crate) fn verdict(stat: &ProcStat, expected: &Fingerprint) -> Liveness {
 /// If /proc cannot be listed at all the answer is true: an empty group must be proven, since
 /// "gone" ends the waiting and the escalation to SIGKILL.
 pub fn group_alive(pgid: Pid) -> bool {
-    match group_scan(pgid) {
-        // Short-circuits on the first live member.
-        Some(mut members) => members.next().is_some(),
-        None => pgid > 0,
+    if !names_a_group(pgid) {
+        return false;
     }
+    // Short-circuits on the first live member.
+    group_scan(pgid).is_none_or(|mut members| members.next().is_some())
 }
 
 /// All live (non-zombie) pids in process group pgid (empty if /proc cannot be listed).
 pub fn group_members(pgid: Pid) -> Vec<Pid> {
+    if !names_a_group(pgid) {
+        return Vec::new();
+    }
     let mut pids: Vec<Pid> = group_scan(pgid).into_iter().flatten().collect();
     pids.sort_unstable();
     pids
 }
 
-/// Live members of `pgid`; `None` when /proc cannot be listed. pgid <= 0 names no group (0 and
-/// -1 mean "mine" and "everyone" to kill(2), never a worker's group), so it has no members.
+/// 0 and negative ids mean "my group" and "everyone" to kill(2), never a worker's group.
+fn names_a_group(pgid: Pid) -> bool {
+    pgid > 0
+}
+
+/// Live members of `pgid`; `None` when /proc cannot be listed.
 fn group_scan(pgid: Pid) -> Option<impl Iterator<Item = Pid>> {
-    let stats = if pgid > 0 {
-        all_stats()?
-    } else {
-        return Some(None.into_iter().flatten());
-    };
     Some(
-        Some(stats)
-            .into_iter()
-            .flatten()
+        all_stats()?
             .filter(move |stat| stat.pgrp == pgid && !stat.is_zombie())
             .map(|stat| stat.pid),
     )

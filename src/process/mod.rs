@@ -22,7 +22,9 @@
 //! open-then-verify step; `signal` holds the signaller and the terminate sequences; `subreaper`
 //! adopts and reaps orphans.
 
+pub mod descendants;
 mod fingerprint;
+pub mod owned;
 mod liveness;
 mod pidfd;
 mod signal;

@@ -166,8 +166,9 @@ impl Target<'_> {
             Sent::Delivered => return Ok(None),
             Sent::NotOurs(verdict) => verdict,
         };
-        // The leader can no longer be verified by pid, but the group our pidfd pins may live on.
-        if self.leads_group && !group_gone(self.pidfd)? {
+        // The leader is provably gone (reaped, maybe its pid reused), but the group our pidfd
+        // pins may live on. An Unknown verdict is not acted upon: nothing is proven then.
+        if self.leads_group && matches!(verdict, Liveness::Dead(_)) && !group_gone(self.pidfd)? {
             return Ok(match self.signaller.send_group(self.pidfd, sig)? {
                 Sent::Delivered => None,
                 Sent::NotOurs(verdict) => Some(verdict),

@@ -41,6 +41,12 @@ pub fn reap_orphans(keep: &dyn Fn(Pid) -> bool) -> Vec<Pid> {
 
     let mut reaped = Vec::new();
     for pid in orphans {
+        // Checked again under the registry lock, held through the waitpid: a child spawned
+        // (and registered) since the scan is never taken for an orphan.
+        let owned = super::owned::lock();
+        if owned.contains(&pid) {
+            continue;
+        }
         // WNOHANG: if the pid was reaped elsewhere and reused by a live child meanwhile, this
         // returns at once instead of blocking on it. __WALL: also reap clone children whose exit
         // signal is not SIGCHLD.

@@ -57,6 +57,22 @@ pub fn sleeper(secs: u32) -> (ChildGuard, Fingerprint) {
     (guard, fp)
 }
 
+/// Spawns `sh -c script` as the leader of its own process group, guarded like [`sleeper`], with
+/// the leader's real fingerprint (taken at once: a start time survives exec and exit).
+pub fn group_leader(script: &str) -> (ChildGuard, Fingerprint) {
+    let guard = ChildGuard::spawn(
+        Command::new("sh")
+            .args(["-c", script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0),
+    )
+    .expect("spawn sh");
+    let fp = fingerprint(guard.pid()).expect("fingerprint of a fresh group leader");
+    (guard, fp)
+}
+
 /// True once the child has exited (reaped by this call), waiting at most [`SETTLE`].
 pub fn exits_within_settle(child: &mut ChildGuard) -> bool {
     wait_until(SETTLE, || matches!(child.try_wait(), Ok(Some(_))))

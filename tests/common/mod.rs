@@ -2,3 +2,4 @@
 
 pub mod board;
 pub mod proc_guard;
+pub mod runtime;

@@ -1,0 +1,112 @@
+//! Small helpers shared by the bench scenarios: clock, percentiles, temp dir, summary block.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Wall-clock nanoseconds since the Unix epoch (the same clock `date +%s%N` and the board's
+/// millisecond timestamps use).
+pub fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+/// Nearest-rank percentile (`p` in 0..=100) of unsorted samples; NaN when empty.
+pub fn percentile(samples: &[f64], p: f64) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = samples.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+/// Median (mean of the two middle values for an even count); NaN when empty.
+pub fn median(samples: &[f64]) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = samples.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
+}
+
+pub fn mean(samples: &[f64]) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    samples.iter().sum::<f64>() / samples.len() as f64
+}
+
+/// "p50=1.23 p99=4.56 max=7.89" in the given unit.
+pub fn p50_p99(samples: &[f64]) -> String {
+    format!(
+        "p50={:.2} p99={:.2} max={:.2}",
+        percentile(samples, 50.0),
+        percentile(samples, 99.0),
+        percentile(samples, 100.0)
+    )
+}
+
+/// A directory under `std::env::temp_dir()`, removed on drop unless kept.
+pub struct TempDir {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl TempDir {
+    pub fn new(prefix: &str, keep: bool) -> TempDir {
+        let path = std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), now_ns()));
+        std::fs::create_dir_all(&path).expect("create the bench's temp dir");
+        TempDir { path, keep }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if self.keep {
+            println!("bench: kept {}", self.path.display());
+        } else if let Err(e) = std::fs::remove_dir_all(&self.path) {
+            eprintln!("bench: cannot remove {}: {e}", self.path.display());
+        }
+    }
+}
+
+/// The copy-pasteable block printed at the end.
+#[derive(Default)]
+pub struct Summary {
+    lines: Vec<String>,
+    pub below_target: bool,
+}
+
+impl Summary {
+    pub fn line(&mut self, s: impl Into<String>) {
+        self.lines.push(s.into());
+    }
+
+    /// Records a target verdict and returns its label.
+    pub fn verdict(&mut self, pass: bool) -> &'static str {
+        if pass {
+            "PASS"
+        } else {
+            self.below_target = true;
+            "BELOW TARGET"
+        }
+    }
+
+    pub fn print(&self) {
+        println!();
+        println!("=== runwarden bench summary ===");
+        for l in &self.lines {
+            println!("{l}");
+        }
+        println!("=== end summary ===");
+    }
+}

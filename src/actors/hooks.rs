@@ -1,0 +1,160 @@
+//! HookActor: runs the `[[hooks]]` commands on the board events they name.
+//!
+//! Each matching committed event starts the hook's command with the event as JSON on stdin and
+//! `RUNWARDEN_EVENT_*` in its environment. A hook is itself supervised: a process-group leader,
+//! ended (group, SIGTERM then SIGKILL) when it exceeds its `timeout`. Its failure is logged,
+//! never fatal, and never blocks the supervisor: hooks run on the blocking pool, at most
+//! [`MAX_RUNNING`] at once (further events wait in this actor's queue).
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::broadcast;
+
+use super::store::Store;
+use crate::board::Event;
+use crate::config::HookConfig;
+use crate::process::{self, PidFd};
+
+/// Hooks running at once; more are queued.
+const MAX_RUNNING: usize = 4;
+/// Hook runs waiting for a slot before new ones are dropped (with a warning).
+const MAX_QUEUED: usize = 10_000;
+/// SIGTERM → this long → SIGKILL for a hook over its timeout.
+const HOOK_KILL_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct HookEvent(Arc<Event>);
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct HookDone;
+
+/// The actor.
+pub struct HookActor {
+    hooks: Vec<HookConfig>,
+    store: Store,
+    queue: VecDeque<(HookConfig, Arc<Event>)>,
+    running: usize,
+}
+
+impl HookActor {
+    /// A hook runner for `hooks` fed by `store`'s events.
+    pub fn new(hooks: Vec<HookConfig>, store: Store) -> Self {
+        HookActor {
+            hooks,
+            store,
+            queue: VecDeque::new(),
+            running: 0,
+        }
+    }
+
+    fn drain(&mut self, ctx: &mut Context<Self>) {
+        while self.running < MAX_RUNNING {
+            let Some((hook, ev)) = self.queue.pop_front() else { return };
+            self.running += 1;
+            let me = ctx.address();
+            actix_rt::task::spawn_blocking(move || {
+                if let Err(e) = run_hook(&hook, &ev) {
+                    tracing::warn!(command = ?hook.command, event = %ev.kind, error = %e, "hook failed");
+                }
+                me.do_send(HookDone);
+            });
+        }
+    }
+}
+
+impl Actor for HookActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let mut feed = self.store.subscribe();
+        let me = ctx.address();
+        actix_rt::spawn(async move {
+            loop {
+                match feed.recv().await {
+                    Ok(ev) => me.do_send(HookEvent(ev)),
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "hooks lagged behind the event feed; some hooks did not run");
+                    }
+                    Err(broadcast::error::RecvError::Closed) => break,
+                }
+                if !me.connected() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
+impl Handler<HookEvent> for HookActor {
+    type Result = ();
+    fn handle(&mut self, msg: HookEvent, ctx: &mut Self::Context) {
+        for hook in self.hooks.iter().filter(|h| h.on.iter().any(|k| k == &msg.0.kind || k == "*")) {
+            if self.queue.len() >= MAX_QUEUED {
+                tracing::warn!(event = %msg.0.kind, "hook queue full; hook dropped");
+                continue;
+            }
+            self.queue.push_back((hook.clone(), msg.0.clone()));
+        }
+        self.drain(ctx);
+    }
+}
+
+impl Handler<HookDone> for HookActor {
+    type Result = ();
+    fn handle(&mut self, _: HookDone, ctx: &mut Self::Context) {
+        self.running -= 1;
+        self.drain(ctx);
+    }
+}
+
+/// Runs one hook to completion (or kills it at its timeout). Blocking.
+fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
+    let (program, args) = hook.command.split_first().ok_or("empty hook command")?;
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .process_group(0)
+        .env("RUNWARDEN_EVENT_ID", ev.id.to_string())
+        .env("RUNWARDEN_EVENT_KIND", &ev.kind)
+        .env("RUNWARDEN_EVENT_AT", ev.at.to_string())
+        .env("RUNWARDEN_EVENT_TASK_ID", ev.task_id.map(|t| t.to_string()).unwrap_or_default())
+        .env("RUNWARDEN_EVENT_RUN_ID", ev.run_id.map(|r| r.to_string()).unwrap_or_default());
+    let mut owned = process::owned::lock();
+    let mut child = cmd.spawn().map_err(|e| format!("cannot start `{program}`: {e}"))?;
+    let pid = child.id() as i32;
+    owned.insert(pid);
+    drop(owned);
+    let pidfd = PidFd::open(pid).map_err(|e| e.to_string());
+    if let Some(mut stdin) = child.stdin.take() {
+        let json = serde_json::to_string(ev).unwrap_or_default();
+        // A hook that does not read its stdin is fine (EPIPE ignored).
+        let _ = stdin.write_all(json.as_bytes());
+        let _ = stdin.write_all(b"\n");
+    }
+    let timed_out = match &pidfd {
+        Ok(fd) => !fd.wait_exit(hook.timeout).unwrap_or(true),
+        Err(_) => false,
+    };
+    if timed_out && let Ok(fd) = &pidfd {
+        let _ = process::terminate_group(fd, HOOK_KILL_TIMEOUT);
+    }
+    let status = child.wait().map_err(|e| e.to_string());
+    process::owned::unregister(pid);
+    if timed_out {
+        return Err(format!("timed out after {}", humantime::format_duration(hook.timeout)));
+    }
+    match status? {
+        s if s.success() => Ok(()),
+        s => Err(format!("exited with {s}")),
+    }
+}
