@@ -1,4 +1,29 @@
 //! runwarden — an actor-based process supervisor for a SQLite board of agent tasks.
+//!
+//! A board of tasks lives in SQLite. A dispatcher claims ready tasks and spawns one worker
+//! process per run; the worker's pid and spawn fingerprint (boot id + process start time) are
+//! written on the run row. Workers report back over a local control socket. The supervisor ends
+//! every worker whose run no longer wants it — crashed, timed out, lost its lease, archived, or
+//! reported "done" and then hung — after the right grace period, killing its whole process
+//! tree, and it never signals a process that is not provably the one it spawned.
+//!
+//! # Layout
+//!
+//! - [`board`]: the SQLite schema, migrations, every transition and sweep. Synchronous; the
+//!   only module that contains SQL. Usable alone (the invariant tests drive it directly).
+//! - [`process`]: process identity ([`process::Fingerprint`], [`process::liveness`]) and safe
+//!   signalling (pidfd opened, fingerprint re-verified, whole process group signalled),
+//!   descendant tracking, the subreaper's orphan reaping.
+//! - [`actors`]: the running supervisor — `StoreActor` (the only writer, group commit),
+//!   `DispatcherActor` (claims within caps, adopts a previous incarnation's workers),
+//!   `WorkerActor` (one per live run), `ReaperActor` (ends closed runs' workers after the
+//!   grace), `HookActor`.
+//! - [`control`]: the control socket — NDJSON protocol, server, blocking client.
+//! - [`supervisor`]: boot and shutdown of the whole runtime; [`Supervisor::start`] for
+//!   embedding, [`supervisor::run`] for `runwarden serve`.
+//! - [`config`]: `config.toml`, every key defaulted, unknown keys refused by name.
+//! - [`lock`]: one supervisor per board (an `flock`ed lock file naming its holder).
+//! - [`cli`]: the thin `runwarden` command line.
 #![deny(rust_2018_idioms)]
 
 pub mod actors;

@@ -239,6 +239,7 @@ impl DispatcherActor {
             title: task.title.clone(),
             argv: assignee.command.clone(),
             env: assignee.env.clone(),
+            own_cwd: assignee.cwd.is_none(),
             cwd: assignee
                 .cwd
                 .clone()

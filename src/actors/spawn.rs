@@ -24,6 +24,9 @@ pub struct SpawnSpec {
     pub argv: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub cwd: PathBuf,
+    /// True when `cwd` is the supervisor's own per-task directory (it may hand it to the
+    /// worker's user); a configured directory is never chowned.
+    pub own_cwd: bool,
     pub socket: PathBuf,
     pub log_path: PathBuf,
     pub log_max_bytes: u64,
@@ -52,7 +55,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             spec.cwd.display()
         )
     })?;
-    if spec.uid.is_some() || spec.gid.is_some() {
+    if spec.own_cwd && (spec.uid.is_some() || spec.gid.is_some()) {
         // A worker that runs as another user must be able to work in its own directory.
         std::os::unix::fs::chown(&spec.cwd, spec.uid, spec.gid)
             .map_err(|e| format!("cannot hand {} to the worker's user: {e}", spec.cwd.display()))?;

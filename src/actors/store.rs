@@ -81,10 +81,11 @@ impl<O: StoreOp> Message for Exec<O> {
 }
 
 type Erased = Box<dyn Any + Send>;
+type ErasedOp = Box<dyn FnOnce(&Tx<'_>, Millis) -> board::Result<Erased> + Send>;
 
 /// An op with its types erased so ops of every kind share one queue.
 struct Job {
-    op: Box<dyn FnOnce(&Tx<'_>, Millis) -> board::Result<Erased> + Send>,
+    op: ErasedOp,
     reply: Box<dyn FnOnce(Result<Erased, StoreError>) + Send>,
 }
 

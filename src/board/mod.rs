@@ -193,7 +193,7 @@ impl Board {
     /// (then nothing of the batch is durable).
     pub fn write_batch<T>(
         &mut self,
-        batch: Vec<Box<dyn FnOnce(&Tx<'_>) -> Result<T> + '_>>,
+        batch: Vec<BatchOp<'_, T>>,
     ) -> Result<Vec<Result<T>>> {
         let mut tx = self
             .conn
@@ -228,6 +228,9 @@ impl Board {
         Ok(self.conn.execute(sql, params)?)
     }
 }
+
+/// One op of [`Board::write_batch`].
+pub type BatchOp<'a, T> = Box<dyn FnOnce(&Tx<'_>) -> Result<T> + 'a>;
 
 /// An open transaction on the board. Every transition and query is a method of `Tx`.
 pub struct Tx<'a> {

@@ -1,0 +1,361 @@
+//! What each op does: one function per op, and one `match` to dispatch them.
+//!
+//! Writes go through `Store::with_tx` (replies come only after the commit); reads through
+//! `Store::read` on the read-only connection. A worker's op on its own run is authorized with
+//! `Tx::authorize_run` inside the same transaction as the transition, so a token can never be
+//! checked against one state and applied to another.
+
+use std::rc::Rc;
+
+use futures::FutureExt;
+use futures::future::LocalBoxFuture;
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use super::conn::Session;
+use super::follow;
+use super::protocol::{
+    Block, CommentReply, CommentReq, Complete, EventsReply, Events, HeartbeatReply, LinkReply, LiveWorker,
+    ReapReply, Reclaim, Request, RequestId, Response, ShutdownReply, StatusReply, TaskReply, TasksReply,
+    PROTOCOL_VERSION, code,
+};
+use super::server::Shared;
+use crate::actors::reaper::SweepNow;
+use crate::actors::store::StoreError;
+use crate::board::{self, BoardError, Millis, Run, TaskId, TaskStatus, Tx, now_millis};
+use crate::process::{self, Liveness};
+
+/// Events in a `show_task` reply unless the request says otherwise.
+const DEFAULT_SHOW_EVENTS: u32 = 50;
+/// Most events one `show_task` or `events` page returns.
+const MAX_PAGE: u32 = 10_000;
+/// Events in an `events` page unless the request says otherwise.
+const DEFAULT_EVENTS_PAGE: u32 = 1000;
+
+/// What a started request produces.
+pub(super) enum Outcome {
+    /// One response line.
+    Line(Vec<u8>),
+    /// A response line, then a task writing more lines (a followed `events`).
+    Stream(Vec<u8>, StreamStart),
+}
+
+/// Starts a stream writing lines into the connection's writer queue.
+pub(super) type StreamStart = Box<dyn FnOnce(mpsc::Sender<Vec<u8>>) -> LocalBoxFuture<'static, ()>>;
+
+/// A refusal on its way to becoming an error line.
+#[derive(Debug, Clone)]
+pub(super) struct OpError {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl OpError {
+    fn bad_request(message: impl Into<String>) -> Self {
+        OpError {
+            code: code::BAD_REQUEST,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<StoreError> for OpError {
+    fn from(e: StoreError) -> Self {
+        OpError {
+            code: e.code,
+            message: e.message,
+        }
+    }
+}
+
+/// The response line for a finished request.
+pub(super) fn respond<T: Serialize>(id: Option<RequestId>, result: Result<T, OpError>) -> Vec<u8> {
+    let response = match result.and_then(|v| {
+        serde_json::to_value(v).map_err(|e| OpError {
+            code: code::INTERNAL,
+            message: format!("cannot encode the result: {e}"),
+        })
+    }) {
+        Ok(result) => Response::Ok { id, result },
+        Err(e) => Response::error(id, e.code, e.message),
+    };
+    response.to_line()
+}
+
+fn ready(line: Vec<u8>) -> LocalBoxFuture<'static, Outcome> {
+    std::future::ready(Outcome::Line(line)).boxed_local()
+}
+
+/// Starts request `req` (hello is handled by the connection itself).
+pub(super) fn start(shared: &Rc<Shared>, session: &Session, id: RequestId, req: Request) -> LocalBoxFuture<'static, Outcome> {
+    let id = Some(id);
+    match req {
+        Request::Hello(_) => ready(respond::<()>(id, Err(OpError::bad_request("hello is answered by the connection")))),
+        Request::AddTask(new) => write(shared, id, move |tx, now| tx.create_task(&new, now)),
+        Request::ListTasks(filter) => read(shared, id, move |tx| Ok(TasksReply { tasks: tx.list_tasks(&filter)? })),
+        Request::ShowTask(s) => read(shared, id, move |tx| {
+            tx.task_detail(s.task, s.events.unwrap_or(DEFAULT_SHOW_EVENTS).min(MAX_PAGE))
+        }),
+        Request::Complete(c) => complete(shared, id, c),
+        Request::Block(b) => block(shared, id, b),
+        Request::Unblock(t) => write(shared, id, move |tx, now| {
+            tx.unblock_task(t.task, now)?;
+            task_reply(tx, t.task)
+        }),
+        Request::Archive(t) => write(shared, id, move |tx, now| {
+            tx.archive_task(t.task, now)?;
+            task_reply(tx, t.task)
+        }),
+        Request::Reclaim(r) => reclaim(shared, session, id, r),
+        Request::Link(l) => write(shared, id, move |tx, now| {
+            tx.link(l.parent, l.child, now)?;
+            Ok(LinkReply {
+                parent: l.parent,
+                child: l.child,
+            })
+        }),
+        Request::Comment(c) => comment(shared, session, id, c),
+        Request::Heartbeat(h) => {
+            let lease_ms = shared.services.config.leases.claim_ttl.as_millis() as i64;
+            write(shared, id, move |tx, now| {
+                tx.authorize_run(h.task, h.run, &h.token)?;
+                tx.heartbeat(h.run, h.note.as_deref(), now, lease_ms)?;
+                Ok(HeartbeatReply {
+                    lease_expires_at: tx.get_run(h.run)?.lease_expires_at,
+                })
+            })
+        }
+        Request::Events(e) if e.follow => follow::start(shared, id, e),
+        Request::Events(e) => events_page(shared, id, e),
+        Request::Status(_) => status(shared, id),
+        Request::ReapNow(_) => {
+            let reaper = shared.services.reaper.clone();
+            async move {
+                let pending = reaper.send(SweepNow).await.map_err(|_| OpError {
+                    code: code::UNAVAILABLE,
+                    message: "the reaper is stopping".into(),
+                });
+                Outcome::Line(respond(id, pending.map(|pending| ReapReply { pending })))
+            }
+            .boxed_local()
+        }
+        Request::Shutdown(_) => {
+            tracing::info!(uid = session.peer.uid, pid = ?session.peer.pid, "control: shutdown requested");
+            shared.shutdown.notify_one();
+            ready(respond(id, Ok(ShutdownReply { stopping: true })))
+        }
+    }
+}
+
+/// A write: `f` runs inside the store's transaction; the reply is sent after the commit.
+fn write<T, F>(shared: &Rc<Shared>, id: Option<RequestId>, f: F) -> LocalBoxFuture<'static, Outcome>
+where
+    T: Serialize + Send + 'static,
+    F: FnOnce(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
+{
+    // A store handle of its own: actix parks a *sender* whose mailbox share is used up and
+    // retries it later in no particular order, while a fresh sender always enqueues at once.
+    // So each write reaches the store when it is first polled, i.e. in arrival order.
+    let store = shared.services.store.clone();
+    async move { Outcome::Line(respond(id, store.with_tx(f).await.map_err(OpError::from))) }.boxed_local()
+}
+
+/// A read on the read-only connection.
+fn read<T, F>(shared: &Rc<Shared>, id: Option<RequestId>, f: F) -> LocalBoxFuture<'static, Outcome>
+where
+    T: Serialize + Send + 'static,
+    F: FnOnce(&Tx<'_>) -> board::Result<T> + Send + 'static,
+{
+    let store = shared.services.store.clone();
+    async move { Outcome::Line(respond(id, store.read(f).await.map_err(OpError::from))) }.boxed_local()
+}
+
+fn task_reply(tx: &Tx<'_>, task: TaskId) -> board::Result<TaskReply> {
+    Ok(TaskReply { task: tx.get_task(task)? })
+}
+
+/// Who may act on a task's run: its worker (run + token), or an operator (neither).
+enum Actor {
+    Worker { run: board::RunId, token: String },
+    Operator { force: bool },
+}
+
+fn actor(run: Option<board::RunId>, token: Option<String>, force: bool) -> Result<Actor, OpError> {
+    match (run, token) {
+        (Some(run), Some(token)) => Ok(Actor::Worker { run, token }),
+        (None, None) => Ok(Actor::Operator { force }),
+        (Some(_), None) => Err(OpError::bad_request("field `run` needs `token` (a worker's own run)")),
+        (None, Some(_)) => Err(OpError::bad_request("field `token` needs `run` (a worker's own run)")),
+    }
+}
+
+impl Actor {
+    /// Checks, inside the transition's transaction, that this actor may close the task's run.
+    /// Returns the run the transition must expect (a worker's own).
+    fn check(&self, tx: &Tx<'_>, task: TaskId, claimer: &str) -> board::Result<Option<board::RunId>> {
+        match self {
+            Actor::Worker { run, token } => {
+                tx.authorize_run(task, *run, token)?;
+                Ok(Some(*run))
+            }
+            Actor::Operator { force: true } => Ok(None),
+            Actor::Operator { force: false } => {
+                ensure_worker_gone(tx, task, claimer)?;
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// Refuses (conflict) while the task's current run may still have a live worker: an operator
+/// must not close a run under a worker that is still working on it, unless forced.
+fn ensure_worker_gone(tx: &Tx<'_>, task_id: TaskId, claimer: &str) -> board::Result<()> {
+    let task = tx.get_task(task_id)?;
+    let (TaskStatus::Running, Some(run_id)) = (task.status, task.current_run_id) else {
+        return Ok(());
+    };
+    let run = tx.get_run(run_id)?;
+    let why = match worker_state(&run, claimer) {
+        WorkerState::Gone => return Ok(()),
+        WorkerState::Alive(pid) => format!("its worker (pid {pid}, run {run_id}) is alive"),
+        WorkerState::Starting => format!("its worker (run {run_id}) is being started"),
+        WorkerState::Unknown(reason) => format!("cannot tell whether its worker (run {run_id}) is alive: {reason}"),
+    };
+    Err(BoardError::Conflict(format!(
+        "task {task_id} is running and {why}; let the worker report, or use force (--force)"
+    )))
+}
+
+enum WorkerState {
+    Alive(i64),
+    Starting,
+    Gone,
+    Unknown(String),
+}
+
+/// What the run's evidence says about its worker. Dead only with proof, like the reaper.
+fn worker_state(run: &Run, claimer: &str) -> WorkerState {
+    match (run.worker_pid, run.fingerprint()) {
+        (Some(pid), Some(fp)) => match i32::try_from(pid) {
+            Ok(p) => match process::liveness(p, &fp) {
+                Liveness::Alive => WorkerState::Alive(pid),
+                Liveness::Dead(_) => WorkerState::Gone,
+                Liveness::Unknown(reason) => WorkerState::Unknown(reason),
+            },
+            Err(_) => WorkerState::Unknown(format!("recorded pid {pid} is out of range")),
+        },
+        (Some(_), None) => WorkerState::Unknown("no spawn fingerprint was recorded".into()),
+        // Claimed by this supervisor and no pid recorded yet: the spawn is under way.
+        (None, _) if run.spawned_pid.is_none() && run.claimer == claimer => WorkerState::Starting,
+        // The worker exited (its evidence was cleared), or a previous incarnation never spawned it.
+        (None, _) => WorkerState::Gone,
+    }
+}
+
+fn complete(shared: &Rc<Shared>, id: Option<RequestId>, c: Complete) -> LocalBoxFuture<'static, Outcome> {
+    let who = match actor(c.run, c.token, c.force) {
+        Ok(who) => who,
+        Err(e) => return ready(respond::<()>(id, Err(e))),
+    };
+    let claimer = shared.claimer.clone();
+    write(shared, id, move |tx, now| {
+        let expected = who.check(tx, c.task, &claimer)?;
+        tx.complete_task(c.task, expected, c.result.as_deref(), now)?;
+        task_reply(tx, c.task)
+    })
+}
+
+fn block(shared: &Rc<Shared>, id: Option<RequestId>, b: Block) -> LocalBoxFuture<'static, Outcome> {
+    if b.reason.trim().is_empty() {
+        return ready(respond::<()>(id, Err(OpError::bad_request("field `reason` must not be empty"))));
+    }
+    let who = match actor(b.run, b.token, b.force) {
+        Ok(who) => who,
+        Err(e) => return ready(respond::<()>(id, Err(e))),
+    };
+    let claimer = shared.claimer.clone();
+    write(shared, id, move |tx, now| {
+        let expected = who.check(tx, b.task, &claimer)?;
+        tx.block_task(b.task, expected, &b.reason, now)?;
+        task_reply(tx, b.task)
+    })
+}
+
+fn reclaim(shared: &Rc<Shared>, session: &Session, id: Option<RequestId>, r: Reclaim) -> LocalBoxFuture<'static, Outcome> {
+    let reason = r
+        .reason
+        .unwrap_or_else(|| format!("reclaimed by an operator (uid {})", session.peer.uid));
+    write(shared, id, move |tx, now| {
+        tx.reclaim_task(r.task, &reason, now)?;
+        task_reply(tx, r.task)
+    })
+}
+
+fn comment(shared: &Rc<Shared>, session: &Session, id: Option<RequestId>, c: CommentReq) -> LocalBoxFuture<'static, Outcome> {
+    let author = c.author.unwrap_or_else(|| user_name(session.peer.uid));
+    write(shared, id, move |tx, now| {
+        Ok(CommentReply {
+            comment_id: tx.comment(c.task, &author, &c.body, now)?,
+        })
+    })
+}
+
+/// The peer's user name, or `uid N` when it has none.
+fn user_name(uid: u32) -> String {
+    match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
+        Ok(Some(user)) => user.name,
+        _ => format!("uid {uid}"),
+    }
+}
+
+fn events_page(shared: &Rc<Shared>, id: Option<RequestId>, e: Events) -> LocalBoxFuture<'static, Outcome> {
+    let limit = e.limit.unwrap_or(DEFAULT_EVENTS_PAGE).clamp(1, MAX_PAGE);
+    read(shared, id, move |tx| {
+        if let Some(task) = e.task {
+            tx.task_status(task)?; // not_found for a task that does not exist
+        }
+        let events = match e.task {
+            Some(task) => tx.task_events_since(task, e.since, limit)?,
+            None => tx.events_since(e.since, limit)?,
+        };
+        Ok(EventsReply {
+            last_id: events.last().map_or(e.since, |ev| ev.id),
+            more: events.len() as u32 == limit,
+            events,
+        })
+    })
+}
+
+fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static, Outcome> {
+    let services = shared.services.clone();
+    let socket = shared.socket.clone();
+    async move {
+        let live = services.live_workers().await;
+        let counts = services
+            .store
+            .read(|tx| Ok((tx.status_counts()?, tx.last_event_id()?)))
+            .await
+            .map_err(OpError::from);
+        let result = counts.map(|(counts, last_event_id)| {
+            let uptime = services.started_at.elapsed();
+            StatusReply {
+                pid: std::process::id(),
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                protocol: PROTOCOL_VERSION.to_string(),
+                started_at: now_millis() - uptime.as_millis() as i64,
+                uptime_ms: uptime.as_millis() as u64,
+                data_dir: services.config.supervisor.data_dir.clone(),
+                logs_dir: services.config.logs_dir(),
+                socket,
+                live_workers: live
+                    .into_iter()
+                    .map(|(run_id, task_id, pid)| LiveWorker { run_id, task_id, pid })
+                    .collect(),
+                counts,
+                last_event_id,
+            }
+        });
+        Outcome::Line(respond(id, result))
+    }
+    .boxed_local()
+}

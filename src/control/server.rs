@@ -1,0 +1,286 @@
+//! The control server: binds the socket, checks each peer, caps the connections, and hands
+//! each accepted connection to [`super::conn`].
+//!
+//! It runs inside the supervisor's actix system (one thread): connections are local tasks, and
+//! every request reaches the board through the [`Store`](crate::actors::store::Store), so the
+//! server itself holds no board state and never writes SQL.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{Notify, Semaphore, watch};
+
+use super::conn;
+use super::protocol::{Response, code};
+use crate::supervisor::Services;
+
+/// Longest socket path the kernel accepts (`sun_path` is 108 bytes with its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+/// How long a refusal line (unauthorized, too many connections) may take to write.
+const REFUSAL_WRITE: Duration = Duration::from_secs(1);
+/// How long `stop` waits for open connections to finish their in-flight replies.
+const STOP_DRAIN: Duration = Duration::from_secs(2);
+/// Pause after a failed accept (e.g. out of file descriptors) so the loop does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Why the control server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// A live supervisor already answers on the socket path.
+    #[error("another supervisor is already listening on {0}")]
+    AlreadyServing(PathBuf),
+    /// Something that is not a socket is in the way; it is never deleted.
+    #[error("{0} exists and is not a socket; refusing to replace it")]
+    NotASocket(PathBuf),
+    /// The path does not fit in a `sockaddr_un`.
+    #[error("socket path {path} is {len} bytes long; Unix sockets allow at most {MAX_SOCKET_PATH}")]
+    PathTooLong { path: PathBuf, len: usize },
+    /// A file-system or socket call failed.
+    #[error("cannot {action} {path}: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> ControlError + '_ {
+    move |source| ControlError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What every connection shares.
+pub(super) struct Shared {
+    pub services: Services,
+    pub socket: PathBuf,
+    pub idle_timeout: Duration,
+    pub max_request_bytes: usize,
+    /// The dispatcher's claimer name: a run it claimed that has no pid yet is being spawned.
+    pub claimer: String,
+    /// Fired by the `shutdown` op; the supervisor's run loop waits on it.
+    pub shutdown: Arc<Notify>,
+    /// Becomes true when the server stops: connections finish their replies and close.
+    pub stopping: watch::Receiver<bool>,
+}
+
+/// The peer of one connection, as `SO_PEERCRED` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Peer {
+    pub uid: u32,
+    pub pid: Option<i32>,
+}
+
+/// A running control server. Dropping it stops accepting and removes the socket file.
+pub struct ControlServer {
+    socket: PathBuf,
+    /// (device, inode) of the socket we bound, so we only ever unlink our own.
+    identity: (u64, u64),
+    stop: watch::Sender<bool>,
+    shutdown: Arc<Notify>,
+    connections: Arc<Semaphore>,
+    max_connections: u32,
+}
+
+impl ControlServer {
+    /// Binds `services.config.socket_path()` and starts serving. Must be called inside the
+    /// supervisor's actix system. A stale socket (nobody answers) is replaced; a live one, or a
+    /// file that is not a socket, is an error.
+    pub fn start(services: Services) -> Result<ControlServer, ControlError> {
+        let config = services.config.clone();
+        let socket = config.socket_path();
+        let listener = bind(&socket, &config.supervisor.data_dir)?;
+        let meta = std::fs::symlink_metadata(&socket).map_err(io_err("stat", &socket))?;
+        let identity = (meta.dev(), meta.ino());
+        let listener = UnixListener::from_std(listener).map_err(io_err("listen on", &socket))?;
+
+        let (stop, stopping) = watch::channel(false);
+        let shutdown = Arc::new(Notify::new());
+        let max_connections = config.control.max_connections.max(1);
+        let connections = Arc::new(Semaphore::new(max_connections as usize));
+        let mut allowed = config.control.allowed_uids.clone();
+        allowed.push(0);
+        allowed.push(nix::unistd::geteuid().as_raw());
+        let shared = Rc::new(Shared {
+            services,
+            socket: socket.clone(),
+            idle_timeout: config.control.idle_timeout,
+            max_request_bytes: usize::try_from(config.control.max_request_bytes).unwrap_or(usize::MAX),
+            claimer: format!("runwarden:{}", std::process::id()),
+            shutdown: shutdown.clone(),
+            stopping: stopping.clone(),
+        });
+        actix_rt::spawn(accept_loop(listener, shared, allowed, connections.clone(), max_connections, stopping));
+        tracing::info!(socket = %socket.display(), "control socket listening");
+        Ok(ControlServer {
+            socket,
+            identity,
+            stop,
+            shutdown,
+            connections,
+            max_connections,
+        })
+    }
+
+    /// The socket path being served.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Resolves when a client has sent `shutdown`.
+    pub fn shutdown_requested(&self) -> impl std::future::Future<Output = ()> + 'static {
+        let notify = self.shutdown.clone();
+        async move { notify.notified().await }
+    }
+
+    /// Stops accepting, lets open connections finish the replies already in flight (for at
+    /// most two seconds), closes them and removes the socket file.
+    pub async fn stop(&self) {
+        let _ = self.stop.send(true);
+        // Each connection holds a permit until it has closed; getting them all back means
+        // every connection is done.
+        let all = self.connections.acquire_many(self.max_connections);
+        if tokio::time::timeout(STOP_DRAIN, all).await.is_err() {
+            tracing::warn!("control: some connections did not close in time");
+        }
+        self.remove_socket();
+    }
+
+    fn remove_socket(&self) {
+        // Only our own socket: a successor may already have bound the same path.
+        match std::fs::symlink_metadata(&self.socket) {
+            Ok(m) if (m.dev(), m.ino()) == self.identity => {
+                if let Err(e) = std::fs::remove_file(&self.socket) {
+                    tracing::warn!(socket = %self.socket.display(), error = %e, "cannot remove the control socket");
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        self.remove_socket();
+    }
+}
+
+/// Prepares the directory, clears a stale socket, binds, and sets the socket's mode to 0600.
+fn bind(socket: &Path, data_dir: &Path) -> Result<std::os::unix::net::UnixListener, ControlError> {
+    let len = socket.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(ControlError::PathTooLong {
+            path: socket.to_path_buf(),
+            len,
+        });
+    }
+    let dir = socket.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let created = !dir.exists();
+    std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
+    // The socket's directory is 0700 when it is ours (the data dir, or one we just made), so
+    // other users cannot even reach the socket. A directory the admin chose (e.g. /run) is
+    // left as it is: the socket's own mode and the peer-uid check still apply.
+    if created || same_file(dir, data_dir) {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io_err("set the mode of", dir))?;
+    }
+    match std::fs::symlink_metadata(socket) {
+        Ok(meta) if meta.file_type().is_socket() => match std::os::unix::net::UnixStream::connect(socket) {
+            Ok(_) => return Err(ControlError::AlreadyServing(socket.to_path_buf())),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                tracing::info!(socket = %socket.display(), "replacing a stale control socket");
+                std::fs::remove_file(socket).map_err(io_err("remove stale socket", socket))?;
+            }
+            Err(e) => return Err(io_err("check existing socket", socket)(e)),
+        },
+        Ok(_) => return Err(ControlError::NotASocket(socket.to_path_buf())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err("stat", socket)(e)),
+    }
+    let listener = std::os::unix::net::UnixListener::bind(socket).map_err(io_err("bind", socket))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(io_err("set the mode of", socket))?;
+    listener.set_nonblocking(true).map_err(io_err("configure", socket))?;
+    Ok(listener)
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
+async fn accept_loop(
+    listener: UnixListener,
+    shared: Rc<Shared>,
+    allowed: Vec<u32>,
+    connections: Arc<Semaphore>,
+    max_connections: u32,
+    mut stopping: watch::Receiver<bool>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = stopping.changed() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "control: accept failed");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
+        let peer = match stream.peer_cred() {
+            Ok(cred) => Peer {
+                uid: cred.uid(),
+                pid: cred.pid(),
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "control: cannot read the peer's credentials; refusing");
+                actix_rt::spawn(refuse(stream, code::UNAUTHORIZED, "cannot read your credentials".into()));
+                continue;
+            }
+        };
+        if !allowed.contains(&peer.uid) {
+            tracing::warn!(uid = peer.uid, pid = ?peer.pid, "control: refused a peer uid");
+            let msg = format!(
+                "uid {} may not use this socket (allowed: root, the supervisor's uid, and [control] allowed_uids)",
+                peer.uid
+            );
+            actix_rt::spawn(refuse(stream, code::UNAUTHORIZED, msg));
+            continue;
+        }
+        match connections.clone().try_acquire_owned() {
+            Ok(permit) => {
+                actix_rt::spawn(conn::serve(stream, shared.clone(), peer, permit));
+            }
+            Err(_) => {
+                tracing::debug!(max = max_connections, "control: too many connections");
+                let msg = format!("too many connections (at most {max_connections}); try again later");
+                actix_rt::spawn(refuse(stream, code::TOO_MANY_CONNECTIONS, msg));
+            }
+        }
+    }
+    tracing::debug!(socket = %shared.socket.display(), "control: no longer accepting");
+}
+
+/// Sends one error line and closes.
+async fn refuse(mut stream: UnixStream, code: &'static str, message: String) {
+    let line = Response::error(None, code, message).to_line();
+    let _ = tokio::time::timeout(REFUSAL_WRITE, async {
+        stream.write_all(&line).await?;
+        stream.shutdown().await
+    })
+    .await;
+}
