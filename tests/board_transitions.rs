@@ -112,7 +112,8 @@ fn create_ready_todo_and_idempotency_key() {
 
     // An empty title and an unknown parent are refused.
     assert!(matches!(
-        tb.board.write(|tx| tx.create_task(&NewTask::titled("  "), T)),
+        tb.board
+            .write(|tx| tx.create_task(&NewTask::titled("  "), T)),
         Err(BoardError::Invalid(_))
     ));
     assert!(matches!(
@@ -160,7 +161,10 @@ fn claim_only_from_ready() {
     assert_eq!(claimed[0].run_id, Some(c.run_id));
 
     // A second claim of the running task is refused; there is still exactly one run.
-    let msg = assert_conflict(tb.board.write(|tx| tx.claim_task(parent, "other", T + 2, LEASE_MS)));
+    let msg = assert_conflict(
+        tb.board
+            .write(|tx| tx.claim_task(parent, "other", T + 2, LEASE_MS)),
+    );
     assert!(msg.contains("running"), "{msg}");
     let runs = tb.board.read(|tx| tx.runs_for_task(parent)).unwrap();
     assert_eq!(runs.len(), 1);
@@ -220,7 +224,13 @@ fn complete_keeps_worker_evidence() {
     assert_eq!(closed_ev[0].payload["outcome"], "completed");
     assert_eq!(
         kinds(&mut tb.board, task),
-        ["created", "claimed", "worker_spawned", "run_closed", "completed"]
+        [
+            "created",
+            "claimed",
+            "worker_spawned",
+            "run_closed",
+            "completed"
+        ]
     );
 
     // Done is final: completing again is refused, with or without the run.
@@ -264,8 +274,14 @@ fn block_and_unblock() {
     );
 
     // Blocked twice, or claimed while blocked: refused.
-    assert_conflict(tb.board.write(|tx| tx.block_task(task, None, "again", T + 2)));
-    assert_conflict(tb.board.write(|tx| tx.claim_task(task, "c", T + 2, LEASE_MS)));
+    assert_conflict(
+        tb.board
+            .write(|tx| tx.block_task(task, None, "again", T + 2)),
+    );
+    assert_conflict(
+        tb.board
+            .write(|tx| tx.claim_task(task, "c", T + 2, LEASE_MS)),
+    );
 
     assert_eq!(
         tb.board.write(|tx| tx.unblock_task(task, T + 3)).unwrap(),
@@ -586,7 +602,10 @@ fn authorize_run_checks_token_and_currency() {
     let wrong = tb
         .board
         .read(|tx| tx.authorize_run(task, first.run_id, "0123456789abcdef0123456789abcdef"));
-    assert!(matches!(&wrong, Err(BoardError::Unauthorized(_))), "{wrong:?}");
+    assert!(
+        matches!(&wrong, Err(BoardError::Unauthorized(_))),
+        "{wrong:?}"
+    );
     assert_eq!(wrong.unwrap_err().code(), "unauthorized");
     // The right token for another task's id is refused too.
     let other = ready(&mut tb, "other");

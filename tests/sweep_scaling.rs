@@ -104,7 +104,9 @@ fn plan(conn: &rusqlite::Connection, sql: &str) -> Vec<String> {
     let n = stmt.parameter_count();
     let params: Vec<i64> = vec![0; n];
     let rows = stmt
-        .query_map(rusqlite::params_from_iter(params), |r| r.get::<_, String>(3))
+        .query_map(rusqlite::params_from_iter(params), |r| {
+            r.get::<_, String>(3)
+        })
         .unwrap();
     rows.collect::<rusqlite::Result<_>>().unwrap()
 }
@@ -121,8 +123,10 @@ fn assert_uses_index(conn: &rusqlite::Connection, sql: &str, index: &str) {
     let steps = plan(conn, sql);
     println!("{index}: {steps:?}");
     assert!(
-        steps.iter().any(|s| s.contains(&format!("USING INDEX {index}"))
-            || s.contains(&format!("USING COVERING INDEX {index}"))),
+        steps
+            .iter()
+            .any(|s| s.contains(&format!("USING INDEX {index}"))
+                || s.contains(&format!("USING COVERING INDEX {index}"))),
         "{sql}\n does not use {index}: {steps:?}"
     );
     assert!(
@@ -185,7 +189,10 @@ fn sweep_queries_use_the_partial_indexes_not_the_history() {
         })
         .unwrap();
     let got: Vec<(TaskId, RunId)> = candidates.iter().map(|c| (c.task_id, c.run_id)).collect();
-    assert_eq!(got, live, "exactly the three runs with evidence, oldest first");
+    assert_eq!(
+        got, live,
+        "exactly the three runs with evidence, oldest first"
+    );
     assert!(candidates.iter().all(|c| c.run_id != legacy_run));
     assert_eq!(
         open.iter().map(|r| r.id).collect::<Vec<_>>(),

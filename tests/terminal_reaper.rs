@@ -25,7 +25,10 @@ use runwarden::board::{
     self, BoardError, Claim, DispatchOptions, NewTask, TaskStatus, now_millis,
     reap_terminal_workers,
 };
-use runwarden::process::{DeadReason, Fingerprint, Liveness, PidfdSignaller, Signal, liveness};
+use runwarden::process::{
+    DeadReason, Fingerprint, Liveness, PidfdSignaller, Signal, group_alive, group_members,
+    liveness, read_stat,
+};
 
 const GRACE_MS: i64 = GRACE.as_millis() as i64;
 
@@ -476,7 +479,10 @@ fn worker_ignoring_sigterm_is_killed_after_the_kill_timeout() {
         signaller.sent(),
         vec![(pid, Signal::SIGTERM), (pid, Signal::SIGKILL)]
     );
-    assert!(exits_within_settle(&mut worker), "the worker survived SIGKILL");
+    assert!(
+        exits_within_settle(&mut worker),
+        "the worker survived SIGKILL"
+    );
     let status = worker.try_wait().unwrap().expect("reaped above");
     assert_eq!(
         std::os::unix::process::ExitStatusExt::signal(&status),
