@@ -19,6 +19,7 @@ use crate::actors::reaper::{ReaperActor, SweepNow};
 use crate::actors::store::{Flush, Store, StoreActor, StoreError};
 use crate::board::{self, Created, NewTask, OpenOptions, RunId, Task, TaskDetail, TaskId};
 use crate::config::{Config, ShutdownMode, Synchronous};
+use crate::control::ControlServer;
 use crate::lock::{LockError, LockFile};
 use crate::process;
 
@@ -66,6 +67,7 @@ impl Services {
 
 struct Booted {
     services: Services,
+    control: ControlServer,
     _lock: LockFile,
 }
 
@@ -87,9 +89,14 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
 fn boot(config: Config) -> Result<Booted, SupervisorError> {
     create_dirs(&config)?;
     let lock = LockFile::acquire(&config.lock_path())?;
+    // Bound before any actor runs (a live socket refuses the start); served once they are up.
+    let socket =
+        ControlServer::bind(&config).map_err(|e| SupervisorError::Runtime(e.to_string()))?;
     // Orphaned descendants of workers re-parent to us instead of init, so they can be found
     // and ended with their worker, and their zombies collected.
-    if let Err(e) = process::become_subreaper() {
+    if !config.supervisor.subreaper {
+        tracing::info!("subreaper disabled by config: escaped descendants re-parent to init");
+    } else if let Err(e) = process::become_subreaper() {
         tracing::warn!(error = %e, "cannot become a child subreaper; escaped descendants may leak");
     }
     let config = Arc::new(config);
@@ -116,14 +123,19 @@ fn boot(config: Config) -> Result<Booted, SupervisorError> {
         pid = std::process::id(),
         "supervisor started"
     );
+    let services = Services {
+        config,
+        store,
+        dispatcher,
+        reaper,
+        started_at: Instant::now(),
+    };
+    let control = socket
+        .serve(services.clone())
+        .map_err(|e| SupervisorError::Runtime(e.to_string()))?;
     Ok(Booted {
-        services: Services {
-            config,
-            store,
-            dispatcher,
-            reaper,
-            started_at: Instant::now(),
-        },
+        services,
+        control,
         _lock: lock,
     })
 }
@@ -148,9 +160,22 @@ where
 {
     let system = System::new();
     let result = system.block_on(async move {
+        // Poll `shutdown` once BEFORE booting. A future that installs its signal handlers on
+        // its first poll (as `serve`'s does) then has them in place for the whole boot: a
+        // SIGTERM that arrives while booting becomes a clean stop right after it, instead of
+        // the default action (death by signal mid-boot: no graceful stop, the lock file left
+        // behind). Seen with a SIGTERM sent as soon as the board existed.
+        let mut shutdown = std::pin::pin!(shutdown);
+        let already = futures::FutureExt::now_or_never(shutdown.as_mut()).is_some();
         let booted = boot(config)?;
         ready(&booted.services);
-        shutdown.await;
+        // Until the caller's signal, or a client's `shutdown` request over the socket.
+        if !already {
+            let requested = booted.control.shutdown_requested();
+            futures::future::select(shutdown, std::pin::pin!(requested)).await;
+        }
+        // Stop serving first (in-flight replies are sent), then stop the actors.
+        booted.control.stop().await;
         stop(&booted.services).await;
         drop(booted);
         Ok(())

@@ -80,18 +80,31 @@ fn fifty_tasks_never_exceed_the_per_assignee_caps() {
             (f[0], f[1], f[2].parse().expect("pid in trace"))
         })
         .collect();
-    assert_eq!(lines.len(), 2 * TASKS, "one start and one end per task:\n{text}");
+    assert_eq!(
+        lines.len(),
+        2 * TASKS,
+        "one start and one end per task:\n{text}"
+    );
     let step = |kind: &str| if kind == "start" { 1 } else { -1 };
     let global = max_open(lines.iter().map(|(k, _, _)| step(k)));
-    assert!(global <= GLOBAL_CAP as i32, "{global} workers alive at once (global cap {GLOBAL_CAP})");
+    assert!(
+        global <= GLOBAL_CAP as i32,
+        "{global} workers alive at once (global cap {GLOBAL_CAP})"
+    );
     let mut trace_pids: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
     for (name, cap) in CAPS {
         let mine: Vec<_> = lines.iter().filter(|(_, who, _)| *who == name).collect();
         assert_eq!(mine.len(), TASKS, "assignee {name}: {mine:?}");
         let max = max_open(mine.iter().map(|(k, _, _)| step(k)));
-        assert!(max <= cap as i32, "assignee {name}: {max} workers alive at once, cap {cap}");
+        assert!(
+            max <= cap as i32,
+            "assignee {name}: {max} workers alive at once, cap {cap}"
+        );
         // Not vacuous: with 25 tasks queued the cap is reached.
-        assert_eq!(max, cap as i32, "assignee {name} never reached its cap {cap}");
+        assert_eq!(
+            max, cap as i32,
+            "assignee {name} never reached its cap {cap}"
+        );
         let mut pids: Vec<i64> = mine
             .iter()
             .filter(|(k, _, _)| *k == "start")
@@ -107,16 +120,28 @@ fn fifty_tasks_never_exceed_the_per_assignee_caps() {
     let mut run_pids: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for &(id, who) in &tasks {
         let detail = sup.task(id).expect("task detail");
-        assert_eq!(detail.runs.len(), 1, "task {id} ran once: {:?}", detail.runs);
+        assert_eq!(
+            detail.runs.len(),
+            1,
+            "task {id} ran once: {:?}",
+            detail.runs
+        );
         let run = &detail.runs[0];
         assert_eq!(run.assignee.as_deref(), Some(who));
         assert_eq!(run.outcome, Some(RunOutcome::Completed), "{run:?}");
         assert_eq!(run.exit_code, Some(0), "{run:?}");
-        let pid = run.spawned_pid.unwrap_or_else(|| panic!("run without spawned_pid: {run:?}"));
-        let spawned: Vec<_> = detail.events.iter().filter(|e| e.kind == "worker_spawned").collect();
+        let pid = run
+            .spawned_pid
+            .unwrap_or_else(|| panic!("run without spawned_pid: {run:?}"));
+        let spawned: Vec<_> = detail
+            .events
+            .iter()
+            .filter(|e| e.kind == "worker_spawned")
+            .collect();
         assert_eq!(spawned.len(), 1, "task {id}: {:?}", detail.events);
-        let (ev_pid, fp) = worker_identity(spawned[0])
-            .unwrap_or_else(|| panic!("worker_spawned without pid + fingerprint: {:?}", spawned[0]));
+        let (ev_pid, fp) = worker_identity(spawned[0]).unwrap_or_else(|| {
+            panic!("worker_spawned without pid + fingerprint: {:?}", spawned[0])
+        });
         assert_eq!(i64::from(ev_pid), pid, "event and run agree on the pid");
         assert_eq!(fp.boot_id, boot, "fingerprint taken in this boot");
         assert!(fp.start_ticks > 0, "start ticks recorded: {fp:?}");
@@ -151,7 +176,10 @@ fn fifty_tasks_never_exceed_the_per_assignee_caps() {
             }
         });
         let max = max_open(steps);
-        assert!(max <= cap as i32, "assignee {name}: {max} runs overlapped on the board, cap {cap}");
+        assert!(
+            max <= cap as i32,
+            "assignee {name}: {max} runs overlapped on the board, cap {cap}"
+        );
         assert!(max >= 1, "assignee {name}: no spawn/exit events");
     }
     let spawned = events.iter().filter(|e| e.kind == "worker_spawned").count();

@@ -97,6 +97,13 @@ pub struct DispatcherActor {
     closing: std::collections::HashSet<RunId>,
     reconciling: bool,
     last_lease_refresh: Option<std::time::Instant>,
+    /// True while a tick's blocking chores (stray-orphan scan, zombie reaping, log rotation)
+    /// run on the blocking pool. A tick that finds them still running skips them: with a short
+    /// tick or a slow /proc, rounds would otherwise pile up on the pool faster than they
+    /// finish, each one scanning /proc again, until the supervisor starves (seen with a 5 ms
+    /// tick on 2 loaded cores: 100+ blocking threads, workers' exits recorded seconds late,
+    /// dispatching stalled).
+    chores_running: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl DispatcherActor {
@@ -126,6 +133,7 @@ impl DispatcherActor {
             closing: Default::default(),
             reconciling: false,
             last_lease_refresh: None,
+            chores_running: Arc::default(),
         }
     }
 
@@ -146,14 +154,13 @@ impl DispatcherActor {
         async move {
             store
                 .with_tx(move |tx, now| {
-                    let candidates = tx.ready_candidates(now, max.saturating_mul(4).max(64))?;
-                    let plan = board::plan_claims(
-                        &candidates,
-                        &tx.open_runs_by_assignee()?,
-                        max,
-                        &caps,
-                        max,
-                    )?;
+                    let open = tx.open_runs_by_assignee()?;
+                    // Only assignees with a free slot: a full assignee's long backlog must not
+                    // fill the candidate list and starve the others (head-of-line blocking).
+                    let with_room = board::assignees_with_room(&open, &caps);
+                    let candidates =
+                        tx.ready_candidates_for(now, &with_room, max.saturating_mul(4).max(64))?;
+                    let plan = board::plan_claims(&candidates, &open, max, &caps, max)?;
                     let mut claimed = Vec::new();
                     for id in plan {
                         match tx.nested(|tx| tx.claim_task(id, &claimer, now, lease)) {
@@ -166,7 +173,13 @@ impl DispatcherActor {
                                 claimed.push((claim, task));
                             }
                             Err(e) => {
-                                tracing::debug!(task_id = id, error = %e, "dispatch: claim refused")
+                                tracing::debug!(task_id = id, error = %e, "dispatch: claim refused");
+                                // A task whose parent reopened is demoted here, outside the
+                                // refused claim's savepoint (which rolled back everything the
+                                // claim wrote), so it leaves `ready` for good.
+                                if tx.demote_if_waiting(id, now)? {
+                                    tracing::info!(task_id = id, "dispatch: a parent reopened; demoted to todo");
+                                }
                             }
                         }
                     }
@@ -361,7 +374,12 @@ impl DispatcherActor {
                 if !stale_after.is_zero() {
                     let last = run.heartbeat_at.unwrap_or(run.started_at);
                     if now - last > stale_after.as_millis() as i64 {
-                        stale.push(run.id);
+                        // A stale run is a failure of its task like any other: its assignee's
+                        // max_retries and backoff apply (not the global default, not zero).
+                        let policy = self
+                            .worker_setup(&task, run.id, String::new())
+                            .map(|(_, p, _)| p);
+                        stale.push((run.id, policy));
                     }
                 }
                 ours.push(run.id);
@@ -387,15 +405,25 @@ impl DispatcherActor {
                         for run_id in ours {
                             tx.extend_lease(run_id, now, lease_ms)?;
                         }
-                        for run_id in stale {
+                        for (run_id, policy) in stale {
+                            let (max_retries, backoff_ms) = match &policy {
+                                Some(p) => {
+                                    let failures = tx
+                                        .get_run(run_id)
+                                        .and_then(|r| tx.get_task(r.task_id))?
+                                        .consecutive_failures;
+                                    (i64::from(p.max_retries), p.backoff_ms(failures + 1))
+                                }
+                                None => (policy_retries, 0),
+                            };
                             // Closing the run is what ends the worker (run_closed → reaper, no grace).
                             let failure = board::Failure {
                                 outcome: RunOutcome::Stale,
                                 exit_code: None,
                                 exit_signal: None,
                                 error: error.clone(),
-                                default_max_retries: policy_retries,
-                                backoff_ms: 0,
+                                default_max_retries: max_retries,
+                                backoff_ms,
                                 counts: true,
                                 give_up_now: false,
                             };
@@ -592,22 +620,44 @@ impl DispatcherActor {
         let max_log = self.config.supervisor.log_max_bytes;
         let live_tokens: std::collections::HashSet<String> = self.workers.values().map(|w| w.token.clone()).collect();
         let kill = self.config.reaper.kill_timeout;
+        if self
+            .chores_running
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return; // The previous round is still running: skip this one (see the field).
+        }
+        let running = ChoresRunning(self.chores_running.clone());
+        // Without the subreaper role no orphan is ours, and the host's own children must be
+        // left to the host.
+        let subreaper = self.config.supervisor.subreaper;
         actix_rt::task::spawn_blocking(move || {
-            // Escaped descendants of finished runs (setsid, double fork), re-parented to us.
-            let ended = process::descendants::end_stray_orphans(&|t| live_tokens.contains(t), kill);
-            if !ended.is_empty() {
-                tracing::info!(?ended, "ended descendants that outlived their run");
-            }
-            // Never a child some owner will reap itself (worker leaders, hooks): process-wide,
-            // since several supervisors may share this process.
-            let reaped = process::reap_orphans(&process::owned::is_registered);
-            if !reaped.is_empty() {
-                tracing::debug!(?reaped, "reaped orphaned descendants");
+            let _running = running;
+            if subreaper {
+                // Escaped descendants of finished runs (setsid, double fork), re-parented to us.
+                let ended = process::descendants::end_stray_orphans(&|t| live_tokens.contains(t), kill);
+                if !ended.is_empty() {
+                    tracing::info!(?ended, "ended descendants that outlived their run");
+                }
+                // Never a child some owner will reap itself (worker leaders, hooks): process-wide,
+                // since several supervisors may share this process.
+                let reaped = process::reap_orphans(&process::owned::is_registered);
+                if !reaped.is_empty() {
+                    tracing::debug!(?reaped, "reaped orphaned descendants");
+                }
             }
             for log in logs {
                 spawn::rotate_if_needed(&log, max_log);
             }
         });
+    }
+}
+
+/// Clears the dispatcher's `chores_running` flag when a round of chores ends (even by a panic).
+struct ChoresRunning(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for ChoresRunning {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Release);
     }
 }
 

@@ -96,7 +96,7 @@ impl Actor for HookActor {
 impl Handler<HookEvent> for HookActor {
     type Result = ();
     fn handle(&mut self, msg: HookEvent, ctx: &mut Self::Context) {
-        for hook in self.hooks.iter().filter(|h| h.on.iter().any(|k| k == &msg.0.kind || k == "*")) {
+        for hook in self.hooks.iter().filter(|h| fires_on(h, &msg.0)) {
             if self.queue.len() >= MAX_QUEUED {
                 tracing::warn!(event = %msg.0.kind, "hook queue full; hook dropped");
                 continue;
@@ -113,6 +113,25 @@ impl Handler<HookDone> for HookActor {
         self.running -= 1;
         self.drain(ctx);
     }
+}
+
+/// Run outcomes a hook may name in `on` as if they were event kinds: no event has these kinds
+/// (a crash is recorded as `run_closed` with `"outcome": "crashed"`), yet `on = ["crashed"]` is
+/// the natural way to ask for one, and the config's own example. Outcomes that are also event
+/// kinds (`completed`, `blocked`, `reclaimed`, `archived`) keep meaning the event, so such a
+/// hook does not fire twice.
+const OUTCOME_ALIASES: [&str; 4] = ["crashed", "spawn_failed", "timed_out", "stale"];
+
+/// True if `hook` fires on `ev`: it names the event's kind, `*`, or (for `run_closed`) the run's
+/// outcome from [`OUTCOME_ALIASES`].
+fn fires_on(hook: &HookConfig, ev: &Event) -> bool {
+    let outcome = (ev.kind == "run_closed")
+        .then(|| ev.payload.get("outcome").and_then(|o| o.as_str()))
+        .flatten()
+        .filter(|o| OUTCOME_ALIASES.contains(o));
+    hook.on
+        .iter()
+        .any(|k| k == "*" || *k == ev.kind || Some(k.as_str()) == outcome)
 }
 
 /// Runs one hook to completion (or kills it at its timeout). Blocking.

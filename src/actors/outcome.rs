@@ -151,6 +151,8 @@ pub struct ExitContext {
     pub pid: i32,
     pub fingerprint: Option<Fingerprint>,
     pub terminated: Option<TerminateReason>,
+    /// A previous incarnation's worker (not our child: its status is not ours to read).
+    pub adopted: bool,
     pub log_path: PathBuf,
     pub policy: ExitPolicy,
 }
@@ -209,7 +211,8 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<(), StoreErro
                         (Some(c), _) => format!("exited with code {c}"),
                         (None, Some(s)) => format!("killed by signal {}", signal_name(s)),
                         // An adopted worker (not our child): its status went to its parent.
-                        _ => "exited while unsupervised (exit status unknown)".to_string(),
+                        _ if cx.adopted => "exited while unsupervised (adopted after a restart; exit status unknown)".to_string(),
+                        _ => "exited; its exit status was lost".to_string(),
                     };
                     let error = if tail.is_empty() {
                         what

@@ -7,7 +7,7 @@
 //! tick) catches runs closed while no supervisor was listening.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
@@ -60,6 +60,12 @@ pub struct ReaperActor {
     owned: HashMap<RunId, Addr<WorkerActor>>,
     /// Runs being reaped right now (a sweep must not start a second kill of the same worker).
     in_flight: HashSet<RunId>,
+    /// Runs whose own WorkerActor was told to end its worker, and when. The sweep leaves them
+    /// to it: a second, external kill sequence of the same worker would race the first (a
+    /// worker ignoring SIGTERM got two SIGTERM → SIGKILL rounds) and `terminal_worker_reaped`
+    /// would be recorded twice. Only once the kill should long be over (`give_up_after`) may
+    /// the sweep try again by fingerprint. Cleared when the worker is gone.
+    ending: HashMap<RunId, Instant>,
 }
 
 impl ReaperActor {
@@ -73,7 +79,34 @@ impl ReaperActor {
             pending: HashMap::new(),
             owned: HashMap::new(),
             in_flight: HashSet::new(),
+            ending: HashMap::new(),
         }
+    }
+
+    /// How long a WorkerActor's own kill of its worker is left alone by the sweep.
+    fn give_up_after(&self) -> Duration {
+        self.kill_timeout + 2 * self.tick + Duration::from_secs(1)
+    }
+
+    /// True while `run_id`'s worker is being ended by its own WorkerActor (see `ending`).
+    fn left_to_its_worker(&self, run_id: RunId) -> bool {
+        self.ending
+            .get(&run_id)
+            .is_some_and(|since| since.elapsed() < self.give_up_after())
+    }
+
+    /// Tells our own WorkerActor to end its worker, and remembers that it is doing so.
+    fn terminate_owned(
+        &mut self,
+        run_id: RunId,
+        worker: &Addr<WorkerActor>,
+        reason: TerminateReason,
+    ) {
+        worker.do_send(Terminate {
+            kill_after: self.kill_timeout,
+            reason,
+        });
+        self.ending.entry(run_id).or_insert_with(Instant::now);
     }
 
     fn fire(&mut self, msg: RunClosed, ctx: &mut Context<Self>) {
@@ -86,10 +119,7 @@ impl ReaperActor {
             } else {
                 TerminateReason::TerminalReap
             };
-            worker.do_send(Terminate {
-                kill_after: self.kill_timeout,
-                reason,
-            });
+            self.terminate_owned(msg.run_id, &worker, reason);
             return;
         }
         self.reap_external(
@@ -153,19 +183,23 @@ impl ReaperActor {
         .into_actor(self)
         .map(|res, act, ctx| match res {
             Ok(candidates) => {
+                // A run no longer a candidate has had its evidence cleared: nothing to wait for.
+                act.ending
+                    .retain(|run_id, _| candidates.iter().any(|c| c.run_id == *run_id));
                 let todo: Vec<_> = candidates
                     .into_iter()
                     .filter(|c| {
-                        !act.pending.contains_key(&c.run_id) && !act.in_flight.contains(&c.run_id)
+                        !act.pending.contains_key(&c.run_id)
+                            && !act.in_flight.contains(&c.run_id)
+                            && !act.left_to_its_worker(c.run_id)
                     })
                     .take(SWEEP_BATCH)
                     .collect();
                 for c in todo {
-                    match act.owned.get(&c.run_id) {
-                        Some(w) if w.connected() => w.do_send(Terminate {
-                            kill_after: act.kill_timeout,
-                            reason: TerminateReason::TerminalReap,
-                        }),
+                    match act.owned.get(&c.run_id).cloned() {
+                        Some(w) if w.connected() => {
+                            act.terminate_owned(c.run_id, &w, TerminateReason::TerminalReap)
+                        }
                         _ => act.reap_external(c, ctx),
                     }
                 }
@@ -207,6 +241,7 @@ impl Handler<WorkerGone> for ReaperActor {
     type Result = ();
     fn handle(&mut self, msg: WorkerGone, ctx: &mut Self::Context) {
         self.owned.remove(&msg.run_id);
+        self.ending.remove(&msg.run_id);
         if let Some(p) = self.pending.remove(&msg.run_id) {
             ctx.cancel_future(p.timer);
         }

@@ -121,7 +121,15 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     let mut owned = process::owned::lock();
     let child = cmd
         .spawn()
-        .map_err(|e| format!("cannot start `{program}`: {e}"))?;
+        // The working directory and the user are named: a worker whose user cannot reach its
+        // cwd fails here with a bare EACCES that otherwise reads like `program` is the problem.
+        .map_err(|e| {
+            let who = spec.uid.map(|u| format!(" as uid {u}")).unwrap_or_default();
+            format!(
+                "cannot start `{program}`{who} in {}: {e}",
+                spec.cwd.display()
+            )
+        })?;
     let pid = child.id() as i32;
     owned.insert(pid);
     drop(owned);

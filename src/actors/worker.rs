@@ -192,8 +192,11 @@ impl WorkerActor {
                 return self.watch(ctx);
             }
             Err(e) => {
+                // Someone else reaped it (it should not happen: see process::owned); the
+                // status is lost, which the run records as "exit status unknown".
                 tracing::error!(run_id = self.run_id(), error = %e, "worker: cannot reap child");
-                ExitStatus::Signal(0)
+                process::owned::unregister(pidfd.pid());
+                return self.record_exit(pidfd, None, ctx);
             }
         };
         tracing::info!(
@@ -228,7 +231,9 @@ impl WorkerActor {
         // The leader is gone; anything left in its group is a leak nobody will clean up.
         // (Descendants that escaped the group are re-parented to us and ended by the
         // dispatcher's tick once no live run claims their token.)
-        if process::group_alive(pidfd.pid()) {
+        // Signal 0 through the pidfd first (cheap); the /proc scan that ignores zombies only
+        // when the group still has members.
+        if pidfd.group_exists().unwrap_or(true) && process::group_alive(pidfd.pid()) {
             self.end_tree(pidfd.clone());
         }
         let store = self.store.clone();
@@ -239,6 +244,7 @@ impl WorkerActor {
             pid: pidfd.pid(),
             fingerprint: self.fingerprint.clone(),
             terminated: self.terminating,
+            adopted: self.adopted_started_at.is_some(),
             log_path: self.spec.log_path.clone(),
             policy: self.policy.clone(),
         };
@@ -382,6 +388,13 @@ impl Actor for WorkerActor {
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
+        // A worker left running (shutdown = "leave") is nobody's to reap any more: let the
+        // orphan reaper of a later supervisor in this process collect its zombie.
+        if let Some(fd) = &self.pidfd
+            && self.adopted_started_at.is_none()
+        {
+            process::owned::unregister(fd.pid());
+        }
         // A worker actor that stops before its child was reported finished (a bug, or the
         // system going down) still tells the dispatcher, so the slot is not lost.
         if !self.finished {

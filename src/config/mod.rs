@@ -110,6 +110,11 @@ pub struct SupervisorConfig {
     pub synchronous: Synchronous,
     /// Size at which a task's log file is rotated (one backup kept). Default 10 MiB; at least 1024.
     pub log_max_bytes: u64,
+    /// Become a child subreaper (default true): workers' escaped descendants re-parent to the
+    /// supervisor, which ends them with their run and reaps their zombies. An embedding
+    /// program that waits for children of its own may turn it off (it then loses that
+    /// guarantee for descendants that leave their worker's process group).
+    pub subreaper: bool,
 }
 
 impl Default for SupervisorConfig {
@@ -122,6 +127,7 @@ impl Default for SupervisorConfig {
             shutdown: ShutdownMode::Leave,
             synchronous: Synchronous::Full,
             log_max_bytes: 10 * 1024 * 1024,
+            subreaper: true,
         }
     }
 }

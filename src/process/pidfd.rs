@@ -78,7 +78,7 @@ impl PidFd {
 
     /// Whether the group still has any member, zombies included: signal 0 to the group, which
     /// checks delivery without sending anything.
-    pub(crate) fn group_exists(&self) -> Result<bool, ProcessError> {
+    pub fn group_exists(&self) -> Result<bool, ProcessError> {
         match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
             Ok(()) => Ok(true),
             Err(ProcessError::NoSuchProcess { .. }) => Ok(false),

@@ -4,3 +4,4 @@ pub mod board;
 pub mod proc_guard;
 pub mod runtime;
 pub mod lifecycle;
+pub mod control_daemon;

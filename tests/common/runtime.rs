@@ -184,7 +184,10 @@ impl WorkerGuard {
 
     /// True while the process runs (not a zombie, not gone, not recycled).
     pub fn alive(&self) -> bool {
-        matches!(process::liveness(self.pid, &self.fingerprint), Liveness::Alive)
+        matches!(
+            process::liveness(self.pid, &self.fingerprint),
+            Liveness::Alive
+        )
     }
 
     /// Waits up to `timeout` for the process to be dead; returns the instant death was seen.
@@ -205,7 +208,11 @@ impl Drop for WorkerGuard {
         let _ = self.pidfd.signal_group(Signal::SIGKILL);
         let _ = self.pidfd.signal(Signal::SIGKILL);
         // Reaps it if it is our child (re-parented to us); anything else answers ECHILD.
-        if self.pidfd.wait_exit(Duration::from_secs(2)).unwrap_or(false) {
+        if self
+            .pidfd
+            .wait_exit(Duration::from_secs(2))
+            .unwrap_or(false)
+        {
             let _ = self.pidfd.try_reap();
         }
     }
@@ -277,17 +284,14 @@ impl Serve {
     }
 
     /// Waits until the supervisor holds its lock (the lock file names its pid) and its board
-    /// exists; fails the test (with its stderr) if it exits or does not get there in time.
+    /// is created and migrated (so another connection can open it); fails the test (with its stderr) if it exits or does not get there in time.
     pub fn wait_ready(&mut self, lock: &Path, db: &Path) {
         let me = self.pid().to_string();
         let ready = wait_until(SETTLE, || {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "serve exited early ({status}); stderr:\n{}",
-                    self.stderr()
-                );
+                panic!("serve exited early ({status}); stderr:\n{}", self.stderr());
             }
-            fs::read_to_string(lock).is_ok_and(|s| s.trim() == me) && db.exists()
+            fs::read_to_string(lock).is_ok_and(|s| s.trim() == me) && board_migrated(db)
         });
         assert!(
             ready,
@@ -316,12 +320,28 @@ impl Serve {
         self.signal(sig);
         let status = self.wait_exit(SETTLE);
         let stderr = self.stderr();
-        let status = status.unwrap_or_else(|| panic!("serve did not exit after {sig}; stderr:\n{stderr}"));
+        let status =
+            status.unwrap_or_else(|| panic!("serve did not exit after {sig}; stderr:\n{stderr}"));
         assert!(
             status.success(),
             "serve exited {status} after {sig}; stderr:\n{stderr}"
         );
     }
+}
+
+/// True once the board at `db` exists with its schema (migrations commit atomically, so a
+/// readable `task_events` means the whole schema is there).
+pub fn board_migrated(db: &Path) -> bool {
+    db.exists()
+        && Board::open_with(
+            db,
+            OpenOptions {
+                synchronous_full: true,
+                read_only: true,
+            },
+        )
+        .and_then(|mut b| b.read(|tx| tx.last_event_id()))
+        .is_ok()
 }
 
 /// Polls the board at `db` (read-only) until `find` returns something.
