@@ -173,7 +173,9 @@ fn parse_args() -> Result<Option<Opts>, String> {
                 }
             }
             "--latency-samples" => o.latency_samples = num(&key, value(&key)?)?,
-            "--latency-gap-ms" => o.latency_gap = Duration::from_millis(num(&key, value(&key)?)? as u64),
+            "--latency-gap-ms" => {
+                o.latency_gap = Duration::from_millis(num(&key, value(&key)?)? as u64)
+            }
             "--probe" => {
                 o.probe = match value(&key)?.as_str() {
                     "self" => Probe::SelfExe,
@@ -197,11 +199,15 @@ fn parse_args() -> Result<Option<Opts>, String> {
         match o.scenario {
             Scenario::Lifecycle => o.tasks = n,
             Scenario::Store => o.events = n,
-            Scenario::All => return Err("with `all`, use --tasks and --events instead of --n".into()),
+            Scenario::All => {
+                return Err("with `all`, use --tasks and --events instead of --n".into());
+            }
         }
     }
     if o.tasks == 0 || o.events == 0 || o.parallel == 0 || o.rounds == 0 || o.callers == 0 {
-        return Err("--tasks, --events, --parallel, --rounds and --callers must be at least 1".into());
+        return Err(
+            "--tasks, --events, --parallel, --rounds and --callers must be at least 1".into(),
+        );
     }
     Ok(Some(o))
 }

@@ -19,7 +19,9 @@ use serde_json::json;
 use tokio::runtime::Runtime;
 use tokio::sync::broadcast::{self, error::RecvError};
 
-use crate::util::{Summary, mean, median, now_ns, p50_p99, percentile};
+use crate::util::{
+    Summary, mean, median, now_ns, p50_p99, percentile, thread_cpu_report, thread_ticks,
+};
 use crate::{Opts, Probe};
 
 const TARGET_RATIO: f64 = 0.7;
@@ -31,7 +33,10 @@ const FLOOR_SAMPLES: usize = 50;
 /// `bench __probe`: writes the wall clock (ns) to `$OUT/$RUNWARDEN_TASK_ID` and exits.
 pub fn probe_main() -> ExitCode {
     let t = now_ns();
-    let (Some(out), Some(id)) = (std::env::var_os("OUT"), std::env::var_os("RUNWARDEN_TASK_ID")) else {
+    let (Some(out), Some(id)) = (
+        std::env::var_os("OUT"),
+        std::env::var_os("RUNWARDEN_TASK_ID"),
+    ) else {
         return ExitCode::from(3);
     };
     match std::fs::write(Path::new(&out).join(id), format!("{t}\n")) {
@@ -55,7 +60,8 @@ enum Recv {
 }
 
 fn recv(rt: &Runtime, feed: &mut broadcast::Receiver<Arc<Event>>, d: Duration) -> Recv {
-    match rt.block_on(tokio::time::timeout(d, feed.recv())) {
+    // The timer must be created inside the runtime.
+    match rt.block_on(async { tokio::time::timeout(d, feed.recv()).await }) {
         Err(_) => Recv::Timeout,
         Ok(Ok(ev)) => Recv::Ev(ev),
         Ok(Err(RecvError::Lagged(n))) => Recv::Lagged(n),
@@ -130,7 +136,11 @@ impl Collected {
                 self.last_done = Some(Instant::now());
             }
             "run_closed" => {
-                let outcome = ev.payload.get("outcome").and_then(|v| v.as_str()).unwrap_or("?");
+                let outcome = ev
+                    .payload
+                    .get("outcome")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("?");
                 *self.outcomes.entry(outcome.to_string()).or_default() += 1;
                 if outcome != "completed" && self.first_error.is_none() {
                     self.first_error = Some(format!("task {task}: {}", ev.payload));
@@ -143,7 +153,12 @@ impl Collected {
 
 /// Follows the event feed until `n` tasks are done (or blocked). If the feed lags, falls back
 /// to polling the status counts.
-fn collect(mut feed: broadcast::Receiver<Arc<Event>>, store: Store, n: usize, timeout: Duration) -> Collected {
+fn collect(
+    mut feed: broadcast::Receiver<Arc<Event>>,
+    store: Store,
+    n: usize,
+    timeout: Duration,
+) -> Collected {
     let rt = runtime();
     let deadline = Instant::now() + timeout;
     let mut c = Collected::default();
@@ -191,6 +206,11 @@ struct SupervisedRound {
     add_elapsed: Duration,
     add_errors: usize,
     c: Collected,
+    /// CPU use per thread name while the round ran.
+    cpu: String,
+    /// Round trips (ms) of a `LiveWorkers` message through the dispatcher's mailbox, every
+    /// 5 ms during the round: how long the actor thread takes to get to a message.
+    ping_ms: Vec<f64>,
 }
 
 /// N `/bin/true` tasks added in one burst (N concurrent store calls → group commits),
@@ -209,26 +229,56 @@ fn supervised_round(opts: &Opts, dir: &Path) -> Result<SupervisedRound, String> 
         let store = store.clone();
         std::thread::spawn(move || collect(feed, store, n, timeout))
     };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pinger = {
+        let (services, stop) = (sup.services().clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                futures::executor::block_on(services.live_workers());
+                v.push(t.elapsed().as_secs_f64() * 1e3);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            v
+        })
+    };
+    let ticks0 = thread_ticks();
     let t0 = Instant::now();
     let adds = (0..n).map(|i| {
         let store = store.clone();
         async move {
             store
-                .with_tx(move |tx, now| tx.create_task(&NewTask::titled(format!("bench {i}")).for_assignee("true"), now))
+                .with_tx(move |tx, now| {
+                    tx.create_task(
+                        &NewTask::titled(format!("bench {i}")).for_assignee("true"),
+                        now,
+                    )
+                })
                 .await
         }
     });
     let results = futures::executor::block_on(futures::future::join_all(adds));
     let add_elapsed = t0.elapsed();
     let add_errors = results.iter().filter(|r| r.is_err()).count();
-    let c = collector.join().map_err(|_| "the event collector panicked".to_string())?;
-    let elapsed = c.last_done.map(|t| t.duration_since(t0)).unwrap_or_else(|| t0.elapsed());
+    let c = collector
+        .join()
+        .map_err(|_| "the event collector panicked".to_string())?;
+    let cpu = thread_cpu_report(&ticks0, &thread_ticks(), t0.elapsed());
+    stop.store(true, Ordering::Relaxed);
+    let ping_ms = pinger.join().unwrap_or_default();
+    let elapsed = c
+        .last_done
+        .map(|t| t.duration_since(t0))
+        .unwrap_or_else(|| t0.elapsed());
     sup.shutdown();
     Ok(SupervisedRound {
         elapsed,
         add_elapsed,
         add_errors,
         c,
+        cpu,
+        ping_ms,
     })
 }
 
@@ -305,17 +355,44 @@ struct Profile {
     commit_ms: Vec<f64>,
     rw_spawn_us: Vec<f64>,
     plain_spawn_us: Vec<f64>,
+    /// `Command::spawn` with runwarden's options (cwd, process group, log file, env).
+    like_spawn_us: Vec<f64>,
+    /// create_dir_all(cwd) + create_dir_all(logs) + open the log (append).
+    files_us: Vec<f64>,
+    /// PidFd::open + fingerprint (/proc/<pid>/stat).
+    pidfd_fp_us: Vec<f64>,
     group_alive_us: f64,
+    /// CPU time (this thread) of one `group_alive` call and one runwarden `spawn()`.
+    group_alive_cpu_us: f64,
+    rw_spawn_cpu_us: f64,
+    /// `kill(-pgid, 0)`: the O(1) alternative (ESRCH = no member left).
+    kill0_us: f64,
+    /// One dispatch pass's reads (`ready_candidates(64)` + `open_runs_by_assignee`) on a board
+    /// with N ready tasks.
+    pass_read_us: f64,
     log_tail_us: f64,
     procs: usize,
 }
 
 /// What the per-lifecycle building blocks cost on this machine, measured alone (no supervisor
-/// is running: its orphan sweep would steal these children's exit statuses).
+/// is running: its orphan sweep would steal these children's exit statuses). The variants are
+/// interleaved per iteration so the machine's noise hits them alike.
+/// CPU time consumed by the calling thread, ns.
+fn thread_cpu_ns() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer to a timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+}
+
 fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
     let dir = base.join("profile");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     const K: usize = 200;
+    let e = |e: std::io::Error| e.to_string();
 
     let mut board = Board::open_with(
         &dir.join("commit.db"),
@@ -325,27 +402,41 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
         },
     )
     .map_err(|e| e.to_string())?;
-    let mut commit_ms = Vec::with_capacity(K);
+    let mut p = Profile {
+        commit_ms: Vec::with_capacity(K),
+        rw_spawn_us: Vec::with_capacity(K),
+        plain_spawn_us: Vec::with_capacity(K),
+        like_spawn_us: Vec::with_capacity(K),
+        files_us: Vec::with_capacity(K),
+        pidfd_fp_us: Vec::with_capacity(K),
+        group_alive_us: 0.0,
+        group_alive_cpu_us: 0.0,
+        rw_spawn_cpu_us: 0.0,
+        kill0_us: 0.0,
+        pass_read_us: 0.0,
+        log_tail_us: 0.0,
+        procs: 0,
+    };
+    let us = |t: Instant| t.elapsed().as_secs_f64() * 1e6;
+    let mut last_pid = 0;
     for i in 0..K {
         let t = Instant::now();
         board
             .write(|tx| tx.append_event(None, None, "bench", json!({ "i": i }), 0))
             .map_err(|e| e.to_string())?;
-        commit_ms.push(t.elapsed().as_secs_f64() * 1e3);
-    }
+        p.commit_ms.push(us(t) / 1e3);
 
-    // The supervisor's spawn path: work dir, log file, posix_spawn/fork+exec with a process
-    // group, pidfd_open, fingerprint (/proc/<pid>/stat).
-    let mut rw_spawn_us = Vec::with_capacity(K);
-    for i in 0..K {
+        // 1. The supervisor's spawn path: work dir, log file, posix_spawn with a process group,
+        //    pidfd_open, fingerprint (/proc/<pid>/stat).
         let spec = SpawnSpec {
             run_id: i as i64,
             task_id: i as i64,
-            token: "t".into(),
+            token: "0123456789abcdef0123456789abcdef".into(),
             title: "profile".into(),
             argv: vec!["/bin/true".into()],
             env: BTreeMap::new(),
             cwd: dir.join("work").join(i.to_string()),
+            own_cwd: true,
             socket: dir.join("control.sock"),
             log_path: dir.join("logs").join(format!("{i}.log")),
             log_max_bytes: 10 << 20,
@@ -355,59 +446,125 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
             rlimits: BTreeMap::new(),
         };
         let t = Instant::now();
+        let c0 = thread_cpu_ns();
         let child = spawn::spawn(&spec)?;
-        rw_spawn_us.push(t.elapsed().as_secs_f64() * 1e6);
-        child.pidfd.wait_exit(Duration::from_secs(10)).map_err(|e| e.to_string())?;
+        p.rw_spawn_cpu_us += (thread_cpu_ns() - c0) as f64 / 1e3 / K as f64;
+        p.rw_spawn_us.push(us(t));
+        child
+            .pidfd
+            .wait_exit(Duration::from_secs(10))
+            .map_err(|e| e.to_string())?;
         child.pidfd.try_reap().map_err(|e| e.to_string())?;
-    }
-    let mut plain_spawn_us = Vec::with_capacity(K);
-    let mut last_pid = 0;
-    for _ in 0..K {
+        process::owned::unregister(child.pid);
+
+        // 2. The same, piece by piece.
+        let t = Instant::now();
+        let cwd = dir.join("work2").join(i.to_string());
+        std::fs::create_dir_all(&cwd).map_err(e)?;
+        std::fs::create_dir_all(dir.join("logs2")).map_err(e)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("logs2").join(format!("{i}.log")))
+            .map_err(e)?;
+        let log_err = log.try_clone().map_err(e)?;
+        p.files_us.push(us(t));
+        let t = Instant::now();
+        let mut child = Command::new("/bin/true")
+            .current_dir(&cwd)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .process_group(0)
+            .env("RUNWARDEN_SOCKET", "x")
+            .env("RUNWARDEN_TASK_ID", i.to_string())
+            .env("RUNWARDEN_RUN_ID", i.to_string())
+            .env("RUNWARDEN_RUN_TOKEN", "0123456789abcdef0123456789abcdef")
+            .env("RUNWARDEN_TASK_TITLE", "profile")
+            .spawn()
+            .map_err(e)?;
+        p.like_spawn_us.push(us(t));
+        let pid = child.id() as i32;
+        let t = Instant::now();
+        let fd = process::PidFd::open(pid).map_err(|e| e.to_string())?;
+        std::hint::black_box(process::fingerprint(pid).ok());
+        p.pidfd_fp_us.push(us(t));
+        drop(fd);
+        child.wait().map_err(e)?;
+
+        // 3. A plain spawn.
         let t = Instant::now();
         let mut child = Command::new("/bin/true")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|e| e.to_string())?;
-        plain_spawn_us.push(t.elapsed().as_secs_f64() * 1e6);
+            .map_err(e)?;
+        p.plain_spawn_us.push(us(t));
         last_pid = child.id() as i32;
-        child.wait().map_err(|e| e.to_string())?;
+        child.wait().map_err(e)?;
     }
 
     // On every worker exit the WorkerActor asks `group_alive(pid)` on the actor thread: a
     // scan of every /proc/<pid>/stat.
     let t = Instant::now();
+    let c0 = thread_cpu_ns();
     for _ in 0..K {
         std::hint::black_box(process::group_alive(last_pid));
     }
-    let group_alive_us = t.elapsed().as_secs_f64() * 1e6 / K as f64;
+    p.group_alive_cpu_us = (thread_cpu_ns() - c0) as f64 / 1e3 / K as f64;
+    p.group_alive_us = us(t) / K as f64;
+    let t = Instant::now();
+    for _ in 0..K {
+        // SAFETY: signal 0 only probes; the group of a reaped child has no member left.
+        std::hint::black_box(unsafe { libc::kill(-last_pid, 0) });
+    }
+    p.kill0_us = us(t) / K as f64;
+
+    // The reads of one dispatch pass, on a board holding N ready tasks.
+    let now = runwarden::board::now_millis();
+    board
+        .write(|tx| {
+            for i in 0..opts.tasks {
+                tx.create_task(
+                    &NewTask::titled(format!("bench {i}")).for_assignee("true"),
+                    now,
+                )?;
+            }
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+    let limit = (opts.parallel as u32).saturating_mul(4).max(64);
+    let t = Instant::now();
+    for _ in 0..K {
+        board
+            .read(|tx| {
+                std::hint::black_box(tx.ready_candidates(now, limit)?);
+                std::hint::black_box(tx.open_runs_by_assignee()?);
+                Ok(())
+            })
+            .map_err(|e| e.to_string())?;
+    }
+    p.pass_read_us = us(t) / K as f64;
     let log = dir.join("logs").join("0.log");
     let t = Instant::now();
     for _ in 0..K {
         std::hint::black_box(spawn::log_tail(&log, 400));
     }
-    let log_tail_us = t.elapsed().as_secs_f64() * 1e6 / K as f64;
-    let procs = std::fs::read_dir("/proc")
+    p.log_tail_us = us(t) / K as f64;
+    p.procs = std::fs::read_dir("/proc")
         .map(|d| {
-            d.filter(|e| {
-                e.as_ref()
-                    .ok()
-                    .and_then(|e| e.file_name().to_str().map(|s| s.parse::<u32>().is_ok()))
-                    .unwrap_or(false)
-            })
-            .count()
+            d.flatten()
+                .filter(|e| {
+                    e.file_name()
+                        .to_str()
+                        .is_some_and(|s| s.parse::<u32>().is_ok())
+                })
+                .count()
         })
         .unwrap_or(0);
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(Profile {
-        commit_ms,
-        rw_spawn_us,
-        plain_spawn_us,
-        group_alive_us,
-        log_tail_us,
-        procs,
-    })
+    Ok(p)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -452,7 +609,8 @@ fn probe_floor(argv: &[String], out: &Path) -> Result<Vec<f64>, String> {
             .spawn()
             .map_err(|e| format!("cannot spawn the probe: {e}"))?;
         child.wait().map_err(|e| e.to_string())?;
-        let exec = read_ns(&out.join(&id)).ok_or_else(|| format!("probe wrote nothing for {id}"))?;
+        let exec =
+            read_ns(&out.join(&id)).ok_or_else(|| format!("probe wrote nothing for {id}"))?;
         v.push((exec - t) as f64 / 1e6);
     }
     Ok(v)
@@ -486,7 +644,9 @@ fn dispatch_latency(sup: &SupervisorHandle, opts: &Opts, out: &Path) -> Result<L
         missing: 0,
     };
     for &(id, t_add, t_ret) in &adds {
-        let task = sup.wait_for(id, Duration::from_secs(30)).map_err(|e| format!("task {id}: {e}"))?;
+        let task = sup
+            .wait_for(id, Duration::from_secs(30))
+            .map_err(|e| format!("task {id}: {e}"))?;
         let Some(exec) = read_ns(&out.join(id.to_string())) else {
             l.missing += 1;
             continue;
@@ -497,8 +657,10 @@ fn dispatch_latency(sup: &SupervisorHandle, opts: &Opts, out: &Path) -> Result<L
         l.total_ms.push((exec - t_add) as f64 / 1e6);
         l.commit_ms.push((t_ret - t_add) as f64 / 1e6);
         if let Some(run) = sup.task(id).ok().and_then(|d| d.runs.first().cloned()) {
-            l.to_claim_ms.push(run.started_at as f64 - t_add as f64 / 1e6);
-            l.claim_to_exec_ms.push(exec as f64 / 1e6 - run.started_at as f64);
+            l.to_claim_ms
+                .push(run.started_at as f64 - t_add as f64 / 1e6);
+            l.claim_to_exec_ms
+                .push(exec as f64 / 1e6 - run.started_at as f64);
         }
     }
     Ok(l)
@@ -552,7 +714,12 @@ fn spawned_from_board(sup: &SupervisorHandle, id: TaskId) -> Option<(i32, u64)> 
     Some((run.worker_pid? as i32, fp.start_ticks))
 }
 
-fn reap_precision(sup: &SupervisorHandle, opts: &Opts, rt: &Runtime, guard: &mut HangGuard) -> Result<Reap, String> {
+fn reap_precision(
+    sup: &SupervisorHandle,
+    opts: &Opts,
+    rt: &Runtime,
+    guard: &mut HangGuard,
+) -> Result<Reap, String> {
     let grace_ms = opts.grace.as_secs_f64() * 1e3;
     let mut r = Reap {
         precision_ms: Vec::new(),
@@ -603,10 +770,14 @@ fn reap_precision(sup: &SupervisorHandle, opts: &Opts, rt: &Runtime, guard: &mut
         }
         guard.pids.extend(spawned.values().copied());
         for &id in &ids {
-            sup.complete(id, None).map_err(|e| format!("complete {id}: {e}"))?;
+            sup.complete(id, None)
+                .map_err(|e| format!("complete {id}: {e}"))?;
         }
         // Poll each worker's liveness every millisecond until it is dead (gone or a zombie).
-        let mut pending: Vec<(TaskId, i32, u64)> = ids.iter().map(|id| (*id, spawned[id].0, spawned[id].1)).collect();
+        let mut pending: Vec<(TaskId, i32, u64)> = ids
+            .iter()
+            .map(|id| (*id, spawned[id].0, spawned[id].1))
+            .collect();
         let mut death: HashMap<TaskId, i64> = HashMap::new();
         let deadline = Instant::now() + opts.grace + Duration::from_secs(20);
         while !pending.is_empty() && Instant::now() < deadline {
@@ -623,16 +794,23 @@ fn reap_precision(sup: &SupervisorHandle, opts: &Opts, rt: &Runtime, guard: &mut
             }
         }
         for (id, pid, _) in pending {
-            r.failures.push(format!("task {id}: worker {pid} still alive {:?} after close", opts.grace + Duration::from_secs(20)));
+            r.failures.push(format!(
+                "task {id}: worker {pid} still alive {:?} after close",
+                opts.grace + Duration::from_secs(20)
+            ));
         }
         for &id in &ids {
-            let Some(&died) = death.get(&id) else { continue };
+            let Some(&died) = death.get(&id) else {
+                continue;
+            };
             let ended_at = sup
                 .task(id)
                 .ok()
                 .and_then(|d| d.runs.last().and_then(|run| run.ended_at));
             match ended_at {
-                Some(ended) => r.precision_ms.push(died as f64 / 1e6 - ended as f64 - grace_ms),
+                Some(ended) => r
+                    .precision_ms
+                    .push(died as f64 / 1e6 - ended as f64 - grace_ms),
                 None => r.failures.push(format!("task {id}: run has no ended_at")),
             }
         }
@@ -653,7 +831,11 @@ fn probe_phase(opts: &Opts, base: &Path, rt: &Runtime) -> Result<ProbeResults, S
     std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
     let argv = probe_argv(opts.probe)?;
     // Before the supervisor starts: its orphan sweep would reap these children under us.
-    let floor_ms = if opts.skip_latency { Vec::new() } else { probe_floor(&argv, &out)? };
+    let floor_ms = if opts.skip_latency {
+        Vec::new()
+    } else {
+        probe_floor(&argv, &out)?
+    };
 
     let mut cfg = base_config(&dir, opts, opts.parallel + REAP_BATCH);
     let mut probe = AssigneeConfig::new(argv);
@@ -702,7 +884,7 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     let mut base_rates = Vec::new();
     let mut non_completed = 0usize;
     let mut notes: Vec<String> = Vec::new();
-    let mut profiles: Vec<(f64, SlotProfile)> = Vec::new();
+    let mut profiles: Vec<(f64, SlotProfile, String)> = Vec::new();
     for round in 0..opts.rounds {
         // Alternate which goes first so drift on the shared machine hits both alike.
         let baseline_first = round % 2 == 0;
@@ -710,7 +892,10 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
             if (step == 0) == baseline_first {
                 let d = baseline_round(n, p)?;
                 let rate = n as f64 / d.as_secs_f64();
-                println!("round {round}: baseline   {rate:8.0} spawns/s     ({n} in {:.3}s)", d.as_secs_f64());
+                println!(
+                    "round {round}: baseline   {rate:8.0} spawns/s     ({n} in {:.3}s)",
+                    d.as_secs_f64()
+                );
                 base_rates.push(rate);
             } else {
                 let dir: PathBuf = base.join(format!("lifecycle-{round}"));
@@ -724,7 +909,11 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
                     r.c.blocked,
                     r.elapsed.as_secs_f64(),
                     r.add_elapsed.as_secs_f64() * 1e3,
-                    if r.add_errors > 0 { format!(", {} add errors", r.add_errors) } else { String::new() }
+                    if r.add_errors > 0 {
+                        format!(", {} add errors", r.add_errors)
+                    } else {
+                        String::new()
+                    }
                 );
                 println!(
                     "          slot: claim→worker_spawned {} ms | worker_spawned→completed {} ms | hold p50 {:.1} ms; busy slots {:.2}/{p}; {} events{}",
@@ -733,9 +922,24 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
                     median(&sp.hold),
                     sp.hold.iter().sum::<f64>() / sp.span_ms,
                     r.c.events,
-                    if r.c.lagged > 0 { format!(", feed lagged by {}", r.c.lagged) } else { String::new() }
+                    if r.c.lagged > 0 {
+                        format!(", feed lagged by {}", r.c.lagged)
+                    } else {
+                        String::new()
+                    }
                 );
-                let bad: usize = r.c.outcomes.iter().filter(|(k, _)| k.as_str() != "completed").map(|(_, v)| v).sum();
+                println!("          cpu: {}", r.cpu);
+                println!(
+                    "          actor-thread ping RTT ms: {} (n={})",
+                    p50_p99(&r.ping_ms),
+                    r.ping_ms.len()
+                );
+                let bad: usize =
+                    r.c.outcomes
+                        .iter()
+                        .filter(|(k, _)| k.as_str() != "completed")
+                        .map(|(_, v)| v)
+                        .sum();
                 if bad > 0 || sp.retried > 0 || r.c.timed_out || r.c.blocked > 0 {
                     let msg = format!(
                         "round {round}: run outcomes {:?}, {} tasks retried, timed out: {}; first: {}",
@@ -749,10 +953,21 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
                 }
                 non_completed += bad;
                 if r.c.timed_out {
-                    return Err(format!("round {round}: only {} of {n} tasks done before the timeout", r.c.completed));
+                    return Err(format!(
+                        "round {round}: only {} of {n} tasks done before the timeout",
+                        r.c.completed
+                    ));
                 }
                 sup_rates.push(rate);
-                profiles.push((rate, sp));
+                profiles.push((
+                    rate,
+                    sp,
+                    format!(
+                        "{} | actor-thread ping RTT ms {}",
+                        r.cpu,
+                        p50_p99(&r.ping_ms)
+                    ),
+                ));
             }
         }
     }
@@ -766,7 +981,12 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
         "lifecycle: N={n} P={p} rounds={} sync={sync} supervised_median={sm:.0}/s baseline_median={bm:.0}/s ratio={ratio:.3} target>={TARGET_RATIO} {verdict}",
         opts.rounds
     ));
-    let list = |v: &[f64]| v.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(",");
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
     summary.line(format!(
         "lifecycle.rounds: supervised=[{}] baseline=[{}] non_completed_runs={non_completed}",
         list(&sup_rates),
@@ -774,7 +994,7 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     ));
     // The slot profile of the median supervised round.
     profiles.sort_by(|a, b| a.0.total_cmp(&b.0));
-    if let Some((_, sp)) = profiles.get(profiles.len() / 2) {
+    if let Some((_, sp, cpu)) = profiles.get(profiles.len() / 2) {
         let cycle = p as f64 * sp.span_ms / sp.hold.len().max(1) as f64;
         summary.line(format!(
             "lifecycle.slot(median round): claim→spawn_rec p50={:.1}ms spawn_rec→done p50={:.1}ms hold mean={:.1}ms slot_cycle={:.1}ms (idle gap {:.1}ms) busy_slots={:.2}/{p}",
@@ -785,6 +1005,7 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
             cycle - mean(&sp.hold),
             sp.hold.iter().sum::<f64>() / sp.span_ms,
         ));
+        summary.line(format!("lifecycle.cpu(median round): {cpu}"));
     }
     for n in notes {
         summary.line(format!("lifecycle.warning: {n}"));
@@ -793,13 +1014,23 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     if !opts.skip_profile {
         let pr = micro_profile(opts, base)?;
         let line = format!(
-            "lifecycle.profile: commit({sync}) p50={:.2}ms p99={:.2}ms | runwarden spawn() p50={:.0}us vs Command::spawn p50={:.0}us | group_alive={:.0}us/call ({} procs) | log_tail={:.0}us",
+            "lifecycle.profile: commit({sync}) p50={:.2}ms p99={:.2}ms | runwarden spawn() p50={:.0}us p99={:.0}us cpu={:.0}us = files {:.0} (p99 {:.0}) + Command::spawn(cwd,pgroup,log,env) {:.0} + pidfd+fingerprint {:.0} (plain Command::spawn p50={:.0}us p99={:.0}us) | group_alive={:.0}us/call cpu={:.0}us ({} procs) vs kill(-pgid,0)={:.1}us | pass reads={:.0}us | log_tail={:.0}us",
             percentile(&pr.commit_ms, 50.0),
             percentile(&pr.commit_ms, 99.0),
             percentile(&pr.rw_spawn_us, 50.0),
+            percentile(&pr.rw_spawn_us, 99.0),
+            pr.rw_spawn_cpu_us,
+            percentile(&pr.files_us, 50.0),
+            percentile(&pr.files_us, 99.0),
+            percentile(&pr.like_spawn_us, 50.0),
+            percentile(&pr.pidfd_fp_us, 50.0),
             percentile(&pr.plain_spawn_us, 50.0),
+            percentile(&pr.plain_spawn_us, 99.0),
             pr.group_alive_us,
+            pr.group_alive_cpu_us,
             pr.procs,
+            pr.kill0_us,
+            pr.pass_read_us,
             pr.log_tail_us,
         );
         println!("{line}");
@@ -822,7 +1053,11 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
                 percentile(&l.commit_ms, 50.0),
                 percentile(&l.to_claim_ms, 50.0),
                 percentile(&l.claim_to_exec_ms, 50.0),
-                if l.missing > 0 { format!(" | {} MISSING", l.missing) } else { String::new() }
+                if l.missing > 0 {
+                    format!(" | {} MISSING", l.missing)
+                } else {
+                    String::new()
+                }
             );
             println!("{line}");
             summary.line(line);
@@ -835,7 +1070,11 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
                 p50_p99(&r.precision_ms),
                 percentile(&r.precision_ms, 0.0),
                 pr.leftovers,
-                if r.failures.is_empty() { String::new() } else { format!(" | FAILURES: {}", r.failures.join("; ")) }
+                if r.failures.is_empty() {
+                    String::new()
+                } else {
+                    format!(" | FAILURES: {}", r.failures.join("; "))
+                }
             );
             println!("{line}");
             summary.line(line);

@@ -44,6 +44,9 @@ fn note_op(now: board::Millis) {
     }
 }
 
+/// One boxed op of a `write_batch`.
+type BatchOp<'a> = Box<dyn FnOnce(&Tx<'_>) -> board::Result<i64> + 'a>;
+
 fn append(tx: &Tx<'_>, i: usize, now: board::Millis) -> board::Result<i64> {
     tx.append_event(None, None, "bench", json!({ "i": i }), now)
 }
@@ -54,9 +57,17 @@ struct GroupRun {
     commits: u64,
 }
 
+/// What each op does on the writer thread.
+#[derive(Clone, Copy)]
+enum Op {
+    Append,
+    /// Nothing: measures the actor, channel, savepoint and reply path alone.
+    Null,
+}
+
 /// `n` appends from `callers` concurrent callers, each awaiting one append at a time, through
 /// a StoreActor on `path` inside its own actix system.
-fn group_commit(path: PathBuf, n: usize, callers: usize) -> Result<GroupRun, String> {
+fn group_commit(path: PathBuf, n: usize, callers: usize, op: Op) -> Result<GroupRun, String> {
     BOUNDARIES.store(0, Ordering::Relaxed);
     LAST_OP_NS.store(0, Ordering::Relaxed);
     let system = actix::System::new();
@@ -76,7 +87,10 @@ fn group_commit(path: PathBuf, n: usize, callers: usize) -> Result<GroupRun, Str
                     let r = store
                         .with_tx(move |tx, now| {
                             note_op(now);
-                            append(tx, i, now)
+                            match op {
+                                Op::Append => append(tx, i, now),
+                                Op::Null => Ok(0),
+                            }
                         })
                         .await;
                     if r.is_err() {
@@ -108,8 +122,8 @@ fn plain_batches(path: &Path, n: usize, batch: usize) -> Result<Duration, String
     while i < n {
         let k = batch.min(n - i);
         let now = board::now_millis();
-        let ops: Vec<Box<dyn FnOnce(&Tx<'_>) -> board::Result<i64>>> = (i..i + k)
-            .map(|j| Box::new(move |tx: &Tx<'_>| append(tx, j, now)) as Box<dyn FnOnce(&Tx<'_>) -> board::Result<i64>>)
+        let ops: Vec<BatchOp<'_>> = (i..i + k)
+            .map(|j| Box::new(move |tx: &Tx<'_>| append(tx, j, now)) as BatchOp<'_>)
             .collect();
         for r in b.write_batch(ops).map_err(|e| e.to_string())? {
             r.map_err(|e| e.to_string())?;
@@ -123,11 +137,9 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     let dir = base.join("store");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let n = opts.events;
-    println!(
-        "\n== store: {n} durable appends, synchronous=FULL, group commit vs one tx each =="
-    );
+    println!("\n== store: {n} durable appends, synchronous=FULL, group commit vs one tx each ==");
 
-    let g = group_commit(dir.join("callers.db"), n, opts.callers)?;
+    let g = group_commit(dir.join("callers.db"), n, opts.callers, Op::Append)?;
     let rate = n as f64 / g.elapsed.as_secs_f64();
     println!(
         "group commit, {} callers: {n} appends in {:.3}s = {rate:.0}/s, errors {}, ≈{} commits (≈{:.1} ops/commit, heuristic)",
@@ -138,7 +150,7 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
         n as f64 / g.commits.max(1) as f64
     );
 
-    let b = group_commit(dir.join("burst.db"), n, n)?;
+    let b = group_commit(dir.join("burst.db"), n, n, Op::Append)?;
     let burst_rate = n as f64 / b.elapsed.as_secs_f64();
     println!(
         "group commit, burst (all {n} in flight): {:.3}s = {burst_rate:.0}/s, errors {}, ≈{} commits (≈{:.1} ops/commit)",
@@ -169,8 +181,26 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
         p50_p99(&lat_ms)
     );
 
+    // Little's law: C callers each waiting for a durable reply cannot exceed C per commit.
+    let commit_mean_s = mean(&lat_ms) / 1e3;
+    let bound = opts.callers as f64 / commit_mean_s;
+    println!(
+        "bound: {} callers / {:.2} ms per commit = {bound:.0}/s at most (callers needed for {TARGET:.0}/s: ≈{:.0})",
+        opts.callers,
+        commit_mean_s * 1e3,
+        TARGET * commit_mean_s
+    );
+
     // Where the group-commit time goes.
     let k = n.min(20_000);
+    let nn = n.min(50_000);
+    let null = group_commit(dir.join("null.db"), nn, nn, Op::Null)?;
+    let null_rate = nn as f64 / null.elapsed.as_secs_f64();
+    println!(
+        "profile: burst of {nn} no-op ops through the StoreActor (actor + channel + savepoint + reply): {null_rate:.0}/s = {:.1} µs/op, ≈{} commits",
+        1e6 / null_rate,
+        null.commits
+    );
     let mut ceilings = Vec::new();
     for batch in [opts.callers.min(1024), 1024] {
         let d = plain_batches(&dir.join(format!("plain-{batch}.db")), k, batch)?;
@@ -209,23 +239,25 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     );
     let commit_ms = mean(&lat_ms);
 
-    let verdict = summary.verdict(rate >= TARGET);
+    let v_callers = summary.verdict(rate >= TARGET);
+    let v_burst = summary.verdict(burst_rate >= TARGET);
     summary.line(format!(
-        "store: N={n} sync=FULL callers={} group_commit={rate:.0}/s (~{:.1} ops/commit) burst={burst_rate:.0}/s \
-         baseline_one_tx={base_rate:.0}/s ({cap} writes, commit mean {commit_ms:.2}ms) speedup={:.1}x (burst {:.1}x) \
-         target>={TARGET:.0}/s {verdict}",
+        "store: N={n} sync=FULL group_commit[{} callers]={rate:.0}/s (~{:.1} ops/commit; Little bound {bound:.0}/s) {v_callers} | \
+         group_commit[burst]={burst_rate:.0}/s {v_burst} | baseline_one_tx={base_rate:.0}/s ({cap} writes, commit mean {commit_ms:.2}ms) | \
+         speedup={:.1}x (burst {:.1}x) | target>={TARGET:.0}/s",
         opts.callers,
         n as f64 / g.commits.max(1) as f64,
         rate / base_rate,
         burst_rate / base_rate,
     ));
     summary.line(format!(
-        "store.profile: plain write_batch {} | publish re-read {per_event_us:.2}us/event",
+        "store.profile: plain write_batch {} | no-op ops via actor {null_rate:.0}/s ({:.1}us/op) | publish re-read {per_event_us:.2}us/event",
         ceilings
             .iter()
             .map(|(b, r)| format!("{b}/commit={r:.0}/s"))
             .collect::<Vec<_>>()
-            .join(" ")
+            .join(" "),
+        1e6 / null_rate
     ));
     Ok(())
 }

@@ -31,7 +31,11 @@ pub fn median(samples: &[f64]) -> f64 {
     let mut v = samples.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
     let m = v.len() / 2;
-    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 pub fn mean(samples: &[f64]) -> f64 {
@@ -59,7 +63,8 @@ pub struct TempDir {
 
 impl TempDir {
     pub fn new(prefix: &str, keep: bool) -> TempDir {
-        let path = std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), now_ns()));
+        let path =
+            std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), now_ns()));
         std::fs::create_dir_all(&path).expect("create the bench's temp dir");
         TempDir { path, keep }
     }
@@ -109,4 +114,72 @@ impl Summary {
         }
         println!("=== end summary ===");
     }
+}
+
+/// Scheduler accounting of every thread of this process, by tid: (name, ns on a CPU, ns
+/// waiting for a CPU on a run queue), from `/proc/self/task/<tid>/{comm,schedstat}`.
+pub fn thread_ticks() -> std::collections::HashMap<u32, (String, u64, u64)> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let Some(tid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let (Ok(comm), Ok(sched)) = (
+            std::fs::read_to_string(e.path().join("comm")),
+            std::fs::read_to_string(e.path().join("schedstat")),
+        ) else {
+            continue;
+        };
+        let mut f = sched
+            .split_whitespace()
+            .map(|x| x.parse::<u64>().unwrap_or(0));
+        let (run, wait) = (f.next().unwrap_or(0), f.next().unwrap_or(0));
+        out.insert(tid, (comm.trim().to_string(), run, wait));
+    }
+    out
+}
+
+/// Per-thread-name use between two [`thread_ticks`] snapshots over `wall`, busiest first:
+/// "name cpu 40% runq 10% (xN)" — on a CPU, and runnable but waiting for one (the rest of
+/// the wall time the thread was blocked or idle). A thread alive only at `after` counts from 0.
+pub fn thread_cpu_report(
+    before: &std::collections::HashMap<u32, (String, u64, u64)>,
+    after: &std::collections::HashMap<u32, (String, u64, u64)>,
+    wall: std::time::Duration,
+) -> String {
+    let mut by_name: std::collections::BTreeMap<String, (u64, u64, usize)> = Default::default();
+    for (tid, (comm, run, wait)) in after {
+        let (r0, w0) = before.get(tid).map(|(_, r, w)| (*r, *w)).unwrap_or((0, 0));
+        let e = by_name.entry(comm.clone()).or_default();
+        e.0 += run.saturating_sub(r0);
+        e.1 += wait.saturating_sub(w0);
+        e.2 += 1;
+    }
+    let mut v: Vec<_> = by_name
+        .into_iter()
+        .filter(|(_, (r, _, _))| *r > 0)
+        .collect();
+    v.sort_by_key(|e| std::cmp::Reverse(e.1.0));
+    let total: u64 = v.iter().map(|(_, (r, _, _))| r).sum();
+    let pct = |ns: u64| ns as f64 / 1e9 / wall.as_secs_f64() * 100.0;
+    let parts: Vec<String> = v
+        .iter()
+        .take(5)
+        .map(|(name, (r, w, n))| {
+            let count = if *n > 1 {
+                format!("(x{n})")
+            } else {
+                String::new()
+            };
+            format!("{name}{count} cpu {:.0}% runq {:.0}%", pct(*r), pct(*w))
+        })
+        .collect();
+    format!(
+        "{} | process cpu {:.0}% of one core",
+        parts.join(", "),
+        pct(total)
+    )
 }
