@@ -71,6 +71,85 @@ pub struct StopDispatching {
     pub terminate: bool,
 }
 
+/// What a claim needs to respect the caps; shared with the workers so that a worker's exit
+/// can claim the next task in the same transaction that closes its run ("claim on close":
+/// a freed slot is refilled without another commit and another hop through the dispatcher).
+#[derive(Debug, Clone)]
+pub struct ClaimParams {
+    pub caps: BTreeMap<String, u32>,
+    pub max_in_progress: u32,
+    pub claimer: String,
+    pub lease_ms: i64,
+    /// False once shutdown began: nothing is claimed any more.
+    pub accepting: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Claims ready tasks, in priority order, within the global and per-assignee caps.
+pub fn claim_ready(
+    tx: &board::Tx<'_>,
+    now: board::Millis,
+    p: &ClaimParams,
+) -> board::Result<Vec<(Claim, Task)>> {
+    if !p.accepting.load(std::sync::atomic::Ordering::Acquire) {
+        return Ok(Vec::new());
+    }
+    let open = tx.open_runs_by_assignee()?;
+    // Only assignees with a free slot: a full assignee's long backlog must not fill the
+    // candidate list and starve the others (head-of-line blocking).
+    let with_room = board::assignees_with_room(&open, &p.caps);
+    // Read no more rows than can be claimed: per assignee with room, at most its free slots
+    // (and the global free slots), merged back in claim order.
+    let free = p.max_in_progress.saturating_sub(open.values().sum::<u32>());
+    if free == 0 {
+        return Ok(Vec::new());
+    }
+    let mut candidates = Vec::new();
+    for name in &with_room {
+        let room = p.caps[name].saturating_sub(open.get(name).copied().unwrap_or(0));
+        candidates.extend(tx.ready_candidates_for(
+            now,
+            std::slice::from_ref(name),
+            room.min(free),
+        )?);
+    }
+    candidates.sort_by_key(|t| (std::cmp::Reverse(t.priority), t.created_at, t.id));
+    let plan = board::plan_claims(
+        &candidates,
+        &open,
+        p.max_in_progress,
+        &p.caps,
+        p.max_in_progress,
+    )?;
+    let mut claimed = Vec::new();
+    for id in plan {
+        match tx.nested(|tx| tx.claim_task(id, &p.claimer, now, p.lease_ms)) {
+            Ok(claim) => {
+                let task = candidates
+                    .iter()
+                    .find(|t| t.id == id)
+                    .cloned()
+                    .expect("planned from candidates");
+                claimed.push((claim, task));
+            }
+            Err(e) => {
+                tracing::debug!(task_id = id, error = %e, "dispatch: claim refused");
+                // A task whose parent reopened is demoted here, outside the refused claim's
+                // savepoint (which rolled back everything the claim wrote), so it leaves
+                // `ready` for good.
+                if tx.demote_if_waiting(id, now)? {
+                    tracing::info!(task_id = id, "dispatch: a parent reopened; demoted to todo");
+                }
+            }
+        }
+    }
+    Ok(claimed)
+}
+
+/// Runs claimed elsewhere (by a worker's exit): start their workers.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Claimed(pub Vec<(Claim, Task)>);
+
 struct Worker {
     addr: Addr<WorkerActor>,
     task_id: TaskId,
@@ -90,6 +169,8 @@ pub struct DispatcherActor {
     in_pass: bool,
     again: bool,
     accepting: bool,
+    /// `accepting`, shared with the workers' claim-on-close.
+    accepting_flag: Arc<std::sync::atomic::AtomicBool>,
     /// Open runs of a previous incarnation whose worker's liveness is Unknown (or that have no
     /// fingerprint): held, never signalled, re-checked every tick. Value: deferral recorded.
     held: HashMap<RunId, bool>,
@@ -129,11 +210,22 @@ impl DispatcherActor {
             in_pass: false,
             again: false,
             accepting: true,
+            accepting_flag: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             held: HashMap::new(),
             closing: Default::default(),
             reconciling: false,
             last_lease_refresh: None,
             chores_running: Arc::default(),
+        }
+    }
+
+    fn claim_params(&self) -> ClaimParams {
+        ClaimParams {
+            caps: self.caps.clone(),
+            max_in_progress: self.config.supervisor.max_in_progress,
+            claimer: self.claimer.clone(),
+            lease_ms: self.config.leases.claim_ttl.as_millis() as i64,
+            accepting: self.accepting_flag.clone(),
         }
     }
 
@@ -146,45 +238,11 @@ impl DispatcherActor {
             return;
         }
         self.in_pass = true;
-        let caps = self.caps.clone();
-        let max = self.config.supervisor.max_in_progress;
-        let claimer = self.claimer.clone();
-        let lease = self.config.leases.claim_ttl.as_millis() as i64;
+        let params = self.claim_params();
         let store = self.store.clone();
         async move {
             store
-                .with_tx(move |tx, now| {
-                    let open = tx.open_runs_by_assignee()?;
-                    // Only assignees with a free slot: a full assignee's long backlog must not
-                    // fill the candidate list and starve the others (head-of-line blocking).
-                    let with_room = board::assignees_with_room(&open, &caps);
-                    let candidates =
-                        tx.ready_candidates_for(now, &with_room, max.saturating_mul(4).max(64))?;
-                    let plan = board::plan_claims(&candidates, &open, max, &caps, max)?;
-                    let mut claimed = Vec::new();
-                    for id in plan {
-                        match tx.nested(|tx| tx.claim_task(id, &claimer, now, lease)) {
-                            Ok(claim) => {
-                                let task = candidates
-                                    .iter()
-                                    .find(|t| t.id == id)
-                                    .cloned()
-                                    .expect("planned from candidates");
-                                claimed.push((claim, task));
-                            }
-                            Err(e) => {
-                                tracing::debug!(task_id = id, error = %e, "dispatch: claim refused");
-                                // A task whose parent reopened is demoted here, outside the
-                                // refused claim's savepoint (which rolled back everything the
-                                // claim wrote), so it leaves `ready` for good.
-                                if tx.demote_if_waiting(id, now)? {
-                                    tracing::info!(task_id = id, "dispatch: a parent reopened; demoted to todo");
-                                }
-                            }
-                        }
-                    }
-                    Ok(claimed)
-                })
+                .with_tx(move |tx, now| claim_ready(tx, now, &params))
                 .await
         }
         .into_actor(self)
@@ -219,6 +277,7 @@ impl DispatcherActor {
             self.store.clone(),
             ctx.address(),
         )
+        .with_claim_on_close(self.claim_params())
         .start();
         self.workers.insert(
             claim.run_id,
@@ -506,6 +565,7 @@ impl DispatcherActor {
                     self.store.clone(),
                     ctx.address(),
                 )
+                .with_claim_on_close(self.claim_params())
                 .start();
                 self.workers.insert(
                     run_id,
@@ -618,7 +678,8 @@ impl DispatcherActor {
             .map(|w| self.config.logs_dir().join(format!("{}.log", w.task_id)))
             .collect();
         let max_log = self.config.supervisor.log_max_bytes;
-        let live_tokens: std::collections::HashSet<String> = self.workers.values().map(|w| w.token.clone()).collect();
+        let live_tokens: std::collections::HashSet<String> =
+            self.workers.values().map(|w| w.token.clone()).collect();
         let kill = self.config.reaper.kill_timeout;
         if self
             .chores_running
@@ -630,11 +691,22 @@ impl DispatcherActor {
         // Without the subreaper role no orphan is ours, and the host's own children must be
         // left to the host.
         let subreaper = self.config.supervisor.subreaper;
+        let store = self.store.clone();
         actix_rt::task::spawn_blocking(move || {
             let _running = running;
             if subreaper {
                 // Escaped descendants of finished runs (setsid, double fork), re-parented to us.
-                let ended = process::descendants::end_stray_orphans(&|t| live_tokens.contains(t), kill);
+                // Only runs this board can vouch for: the run exists here with that very token
+                // and is closed. An orphan carrying an unknown token belongs to another
+                // supervisor sharing this process (embedding, tests); one of an open run is a
+                // worker of a previous incarnation awaiting adoption. Neither is ours to end.
+                let is_stray = |run_id: RunId, token: &str| {
+                    !live_tokens.contains(token)
+                        && store
+                            .read_blocking(|tx| tx.get_run(run_id))
+                            .is_ok_and(|run| run.token == token && !run.is_open())
+                };
+                let ended = process::descendants::end_stray_orphans(&is_stray, kill);
                 if !ended.is_empty() {
                     tracing::info!(?ended, "ended descendants that outlived their run");
                 }
@@ -703,6 +775,32 @@ impl Handler<BoardEvent> for DispatcherActor {
     }
 }
 
+impl Handler<Claimed> for DispatcherActor {
+    type Result = ();
+    fn handle(&mut self, msg: Claimed, ctx: &mut Self::Context) {
+        if self.accepting {
+            for (claim, task) in msg.0 {
+                self.start_worker(claim, task, ctx);
+            }
+            return;
+        }
+        // Claimed just before shutdown began: give the tasks back (no failure counted).
+        let store = self.store.clone();
+        actix_rt::spawn(async move {
+            let _ = store
+                .with_tx(move |tx, now| {
+                    for (claim, _) in msg.0 {
+                        let _ = tx.nested(|tx| {
+                            tx.reclaim_task(claim.task_id, "supervisor shutdown", now)
+                        });
+                    }
+                    Ok(())
+                })
+                .await;
+        });
+    }
+}
+
 impl Handler<WorkerSpawned> for DispatcherActor {
     type Result = ();
     fn handle(&mut self, msg: WorkerSpawned, _: &mut Self::Context) {
@@ -738,6 +836,8 @@ impl Handler<StopDispatching> for DispatcherActor {
     type Result = ResponseActFuture<Self, ()>;
     fn handle(&mut self, msg: StopDispatching, _: &mut Self::Context) -> Self::Result {
         self.accepting = false;
+        self.accepting_flag
+            .store(false, std::sync::atomic::Ordering::Release);
         if !msg.terminate || self.workers.is_empty() {
             return Box::pin(async {}.into_actor(self));
         }

@@ -8,10 +8,11 @@ use std::time::Duration;
 use rand::Rng;
 use serde_json::json;
 
+use super::dispatcher::{ClaimParams, claim_ready};
 use super::spawn::log_tail;
 use super::store::{Store, StoreError};
 use super::worker::TerminateReason;
-use crate::board::{self, ExitInfo, Failure, Millis, RunId, RunOutcome, TaskId, Tx};
+use crate::board::{self, Claim, ExitInfo, Failure, Millis, RunId, RunOutcome, Task, TaskId, Tx};
 use crate::config::{AssigneeConfig, Config, OnExitZero};
 use crate::process::Fingerprint;
 
@@ -155,84 +156,109 @@ pub struct ExitContext {
     pub adopted: bool,
     pub log_path: PathBuf,
     pub policy: ExitPolicy,
+    /// Claim the next ready task(s) for the freed slot in the same transaction.
+    pub claim_next: Option<ClaimParams>,
 }
 
 /// Records a worker's exit in one transaction: the exit status (clearing the evidence: this
 /// pid is provably gone), the terminal-reaper event if the reaper ended it, and — if the run
 /// is still open — its closing: `completed` for a clean exit under `on_exit_zero =
 /// "complete"`, `crashed` otherwise (with the code or signal and the log's tail).
-pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<(), StoreError> {
-    let tail = log_tail(&cx.log_path, LOG_TAIL_BYTES);
+pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Vec<(Claim, Task)>, StoreError> {
+    // Only a crash quotes the log; a clean exit (the common case) reads nothing.
+    let crashed = !(cx.exit.code == Some(0) && cx.policy.on_exit_zero == OnExitZero::Complete);
+    let tail = if crashed {
+        log_tail(&cx.log_path, LOG_TAIL_BYTES)
+    } else {
+        String::new()
+    };
     store
         .with_tx(move |tx, now| {
-            let run = tx.record_worker_exit(cx.run_id, cx.exit, now)?;
-            if cx.terminated == Some(TerminateReason::TerminalReap) {
-                let ended_by = if cx.exit.signal == Some(libc::SIGKILL) {
-                    "sigkill"
-                } else {
-                    "sigterm"
-                };
-                tx.append_event(
-                    Some(cx.task_id),
-                    Some(cx.run_id),
-                    "terminal_worker_reaped",
-                    json!({
-                        "pid": cx.pid,
-                        "boot_id": cx.fingerprint.as_ref().map(|f| &f.boot_id),
-                        "start_ticks": cx.fingerprint.as_ref().map(|f| f.start_ticks),
-                        "ended_at": run.ended_at,
-                        "ended_by": ended_by,
-                    }),
-                    now,
-                )?;
+            close_after_exit(tx, &cx, tail, now)?;
+            match &cx.claim_next {
+                Some(params) => claim_ready(tx, now, params),
+                None => Ok(Vec::new()),
             }
-            if !run.is_open() || tx.get_task(cx.task_id)?.current_run_id != Some(cx.run_id) {
-                // Closed by the worker's own report (or by force): the exit changes nothing.
-                return Ok(());
-            }
-            match (cx.exit.code, cx.policy.on_exit_zero) {
-                (Some(0), OnExitZero::Complete) => {
-                    tx.complete_task(cx.task_id, Some(cx.run_id), None, now)?;
-                }
-                (Some(0), OnExitZero::Crash) => {
-                    let error = "exited 0 without reporting completion".to_string();
-                    fail(
-                        tx,
-                        cx.run_id,
-                        &cx.policy,
-                        RunOutcome::Crashed,
-                        Some(cx.exit),
-                        error,
-                        now,
-                    )?;
-                }
-                _ => {
-                    let what = match (cx.exit.code, cx.exit.signal) {
-                        (Some(c), _) => format!("exited with code {c}"),
-                        (None, Some(s)) => format!("killed by signal {}", signal_name(s)),
-                        // An adopted worker (not our child): its status went to its parent.
-                        _ if cx.adopted => "exited while unsupervised (adopted after a restart; exit status unknown)".to_string(),
-                        _ => "exited; its exit status was lost".to_string(),
-                    };
-                    let error = if tail.is_empty() {
-                        what
-                    } else {
-                        format!("{what}; log tail: {tail}")
-                    };
-                    fail(
-                        tx,
-                        cx.run_id,
-                        &cx.policy,
-                        RunOutcome::Crashed,
-                        Some(cx.exit),
-                        error,
-                        now,
-                    )?;
-                }
-            }
-            Ok(())
         })
         .await
+}
+
+/// The part of [`record_exit`] that records the exit and closes the run.
+fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: String, now: Millis) -> board::Result<()> {
+    if tx.get_run(cx.run_id)?.spawned_pid.is_none() {
+        // The exit overtook the spawn evidence's own commit: write it here, so the
+        // history keeps the pid (the later set_worker is then refused as a duplicate).
+        tx.set_worker(cx.run_id, cx.pid, cx.fingerprint.as_ref(), now)?;
+    }
+    let run = tx.record_worker_exit(cx.run_id, cx.exit, now)?;
+    if cx.terminated == Some(TerminateReason::TerminalReap) {
+        let ended_by = if cx.exit.signal == Some(libc::SIGKILL) {
+            "sigkill"
+        } else {
+            "sigterm"
+        };
+        tx.append_event(
+            Some(cx.task_id),
+            Some(cx.run_id),
+            "terminal_worker_reaped",
+            json!({
+                "pid": cx.pid,
+                "boot_id": cx.fingerprint.as_ref().map(|f| &f.boot_id),
+                "start_ticks": cx.fingerprint.as_ref().map(|f| f.start_ticks),
+                "ended_at": run.ended_at,
+                "ended_by": ended_by,
+            }),
+            now,
+        )?;
+    }
+    if !run.is_open() || tx.get_task(cx.task_id)?.current_run_id != Some(cx.run_id) {
+        // Closed by the worker's own report (or by force): the exit changes nothing.
+        return Ok(());
+    }
+    match (cx.exit.code, cx.policy.on_exit_zero) {
+        (Some(0), OnExitZero::Complete) => {
+            tx.complete_task(cx.task_id, Some(cx.run_id), None, now)?;
+        }
+        (Some(0), OnExitZero::Crash) => {
+            let error = "exited 0 without reporting completion".to_string();
+            fail(
+                tx,
+                cx.run_id,
+                &cx.policy,
+                RunOutcome::Crashed,
+                Some(cx.exit),
+                error,
+                now,
+            )?;
+        }
+        _ => {
+            let what = match (cx.exit.code, cx.exit.signal) {
+                (Some(c), _) => format!("exited with code {c}"),
+                (None, Some(s)) => format!("killed by signal {}", signal_name(s)),
+                // An adopted worker (not our child): its status went to its parent.
+                _ if cx.adopted => {
+                    "exited while unsupervised (adopted after a restart; exit status unknown)"
+                        .to_string()
+                }
+                _ => "exited; its exit status was lost".to_string(),
+            };
+            let error = if tail.is_empty() {
+                what
+            } else {
+                format!("{what}; log tail: {tail}")
+            };
+            fail(
+                tx,
+                cx.run_id,
+                &cx.policy,
+                RunOutcome::Crashed,
+                Some(cx.exit),
+                error,
+                now,
+            )?;
+        }
+    }
+    Ok(())
 }
 
 /// `SIGKILL` for 9, etc.

@@ -21,6 +21,8 @@ use crate::board::{self, Board, BoardError, Event, EventId, Millis, OpenOptions,
 
 /// Most ops committed in one transaction; bounds the latency of the first op in a burst.
 const MAX_BATCH: usize = 1024;
+/// How long a batch that already has company waits for more (see `writer_loop`).
+const LINGER: std::time::Duration = std::time::Duration::from_micros(200);
 /// Events buffered per subscriber before it is told it lagged (and re-reads from the board).
 const EVENT_CHANNEL: usize = 8192;
 
@@ -234,6 +236,16 @@ impl Handler<Flush> for StoreActor {
     }
 }
 
+/// Moves every queued job into `batch`, up to [`MAX_BATCH`].
+fn drain(jobs: &mpsc::Receiver<Job>, batch: &mut Vec<Job>) {
+    while batch.len() < MAX_BATCH {
+        match jobs.try_recv() {
+            Ok(j) => batch.push(j),
+            Err(_) => break,
+        }
+    }
+}
+
 fn writer_loop(
     mut board: Board,
     jobs: mpsc::Receiver<Job>,
@@ -242,10 +254,14 @@ fn writer_loop(
 ) {
     while let Ok(first) = jobs.recv() {
         let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match jobs.try_recv() {
-                Ok(j) => batch.push(j),
-                Err(_) => break,
+        drain(&jobs, &mut batch);
+        if batch.len() > 1 && batch.len() < MAX_BATCH {
+            // Concurrent writers are about: linger a moment (like PostgreSQL's commit_delay)
+            // so callers answered by the previous commit can join this one. A lone write
+            // (batch of one) never waits.
+            if let Ok(j) = jobs.recv_timeout(LINGER) {
+                batch.push(j);
+                drain(&jobs, &mut batch);
             }
         }
         let now = now_millis();

@@ -10,7 +10,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::io::unix::AsyncFd;
 
-use super::dispatcher::{DispatcherActor, WorkerFinished};
+use super::dispatcher::{ClaimParams, Claimed, DispatcherActor, WorkerFinished};
 use super::outcome::{self, ExitPolicy};
 use super::spawn::{self, SpawnSpec};
 use super::store::Store;
@@ -65,6 +65,10 @@ pub struct WorkerActor {
     /// Set for a worker of a previous incarnation taken over at start-up: it is not our
     /// child, so its exit status cannot be read, and its runtime started at the run's start.
     adopted_started_at: Option<board::Millis>,
+    /// The exit has been handed to the store (a late `set_worker` failure is then expected).
+    exit_recorded: bool,
+    /// Claim the next task in the transaction that records this worker's exit.
+    claim_on_close: Option<ClaimParams>,
 }
 
 impl WorkerActor {
@@ -89,6 +93,8 @@ impl WorkerActor {
             terminating: None,
             finished: false,
             adopted_started_at: None,
+            exit_recorded: false,
+            claim_on_close: None,
         }
     }
 
@@ -133,6 +139,12 @@ impl WorkerActor {
             });
         }
         self.watch(ctx);
+    }
+
+    /// Lets this worker's exit refill its slot (see [`ClaimParams`]).
+    pub fn with_claim_on_close(mut self, params: ClaimParams) -> Self {
+        self.claim_on_close = Some(params);
+        self
     }
 
     fn run_id(&self) -> RunId {
@@ -214,6 +226,7 @@ impl WorkerActor {
         status: Option<ExitStatus>,
         ctx: &mut Context<Self>,
     ) {
+        self.exit_recorded = true;
         let exit = match status {
             Some(ExitStatus::Code(c)) => ExitInfo {
                 code: Some(c),
@@ -247,12 +260,15 @@ impl WorkerActor {
             adopted: self.adopted_started_at.is_some(),
             log_path: self.spec.log_path.clone(),
             policy: self.policy.clone(),
+            claim_next: self.claim_on_close.clone(),
         };
         async move { outcome::record_exit(&store, ctx_in).await }
             .into_actor(self)
             .map(|res, act, ctx| {
-                if let Err(e) = res {
-                    tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record exit");
+                match res {
+                    Ok(claims) if !claims.is_empty() => act.dispatcher.do_send(Claimed(claims)),
+                    Ok(_) => {}
+                    Err(e) => tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record exit"),
                 }
                 act.finish(ctx);
             })
@@ -302,8 +318,22 @@ impl WorkerActor {
         );
     }
 
-    fn start_child(&mut self, ctx: &mut Context<Self>) -> Result<(), String> {
-        let child = spawn::spawn(&self.spec)?;
+    /// Starts the child on the blocking pool: creating the work dir and log file, fork/exec,
+    /// the pidfd and the /proc read take milliseconds, and many workers start at once. The
+    /// actor handles no other message (a Terminate included) until the child exists.
+    fn start_child(&mut self, ctx: &mut Context<Self>) {
+        let spec = self.spec.clone();
+        actix_rt::task::spawn_blocking(move || spawn::spawn(&spec))
+            .into_actor(self)
+            .map(|res, act, ctx| match res {
+                Ok(Ok(child)) => act.on_spawned(child, ctx),
+                Ok(Err(error)) => act.spawn_failed(error, ctx),
+                Err(e) => act.spawn_failed(format!("spawn task failed: {e}"), ctx),
+            })
+            .wait(ctx);
+    }
+
+    fn on_spawned(&mut self, child: spawn::Spawned, ctx: &mut Context<Self>) {
         let pid = child.pid;
         self.fingerprint = child.fingerprint.clone();
         self.pidfd = Some(Arc::new(child.pidfd));
@@ -313,8 +343,11 @@ impl WorkerActor {
             pid,
             "worker spawned"
         );
-        // Evidence first: the pid + fingerprint are durable before anything else happens, so
-        // whatever follows (a crash of the supervisor included) the worker stays reachable.
+        // Evidence first: the pid + fingerprint are made durable right away, so whatever
+        // follows — a crash of the supervisor included — the worker stays reachable. Not
+        // awaited: the watch starts at once, the commit shares a group commit with the other
+        // workers' writes, and an exit recorded before it lands writes the evidence itself
+        // (outcome::record_exit), after which this op is refused as a duplicate.
         let store = self.store.clone();
         let (run_id, fp) = (self.run_id(), self.fingerprint.clone());
         async move {
@@ -324,7 +357,9 @@ impl WorkerActor {
         }
         .into_actor(self)
         .map(|res, act, ctx| {
-            if let Err(e) = res {
+            if let Err(e) = res
+                && !act.exit_recorded
+            {
                 // Not recorded means not reachable after a restart: do not keep it running.
                 tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record pid; ending it");
                 ctx.notify(Terminate {
@@ -333,7 +368,7 @@ impl WorkerActor {
                 });
             }
         })
-        .wait(ctx);
+        .spawn(ctx);
         self.dispatcher.do_send(super::dispatcher::WorkerSpawned {
             run_id: self.run_id(),
             pid,
@@ -342,7 +377,6 @@ impl WorkerActor {
             ctx.run_later(limit, move |act, ctx| act.timed_out(limit, ctx));
         }
         self.watch(ctx);
-        Ok(())
     }
 
     fn timed_out(&mut self, limit: Duration, ctx: &mut Context<Self>) {
@@ -382,9 +416,7 @@ impl Actor for WorkerActor {
         if let Some(started_at) = self.adopted_started_at {
             return self.start_adopted(started_at, ctx);
         }
-        if let Err(error) = self.start_child(ctx) {
-            self.spawn_failed(error, ctx);
-        }
+        self.start_child(ctx);
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {

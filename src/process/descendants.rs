@@ -29,7 +29,11 @@ pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
     };
     let mut found = Vec::new();
     for entry in dir.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<Pid>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<Pid>().ok())
+        else {
             continue;
         };
         if pid == me {
@@ -52,7 +56,11 @@ pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
 pub fn signal_straggler(fd: &super::PidFd, sig: super::Signal) {
     let pid = fd.pid();
     let leads_group = super::read_stat(pid).is_ok_and(|s| s.pgrp == pid);
-    let _ = if leads_group { fd.signal_group(sig) } else { fd.signal(sig) };
+    let _ = if leads_group {
+        fd.signal_group(sig)
+    } else {
+        fd.signal(sig)
+    };
 }
 
 /// The run token in a process's environment, if any.
@@ -77,15 +85,34 @@ pub fn live_orphans() -> Vec<(Pid, Option<String>)> {
         .collect()
 }
 
-/// Ends the orphans (see [`live_orphans`]) whose token names no live run: leftovers of a
-/// finished worker that escaped its group. Orphans without a token, or with a live run's
-/// token, are left alone. Each is signalled through a pidfd verified against the fingerprint
+/// The run id in a process's environment (`RUNWARDEN_RUN_ID`), if any.
+fn run_id_of(pid: Pid) -> Option<i64> {
+    let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0).find_map(|var| {
+        std::str::from_utf8(var.strip_prefix(b"RUNWARDEN_RUN_ID=")?)
+            .ok()?
+            .parse()
+            .ok()
+    })
+}
+
+/// Ends the orphans (see [`live_orphans`]) that `is_stray(run_id, token)` claims: leftovers of
+/// a finished run of the caller's that escaped its worker's group. The caller must answer true
+/// only for a run of its own board that carries that very token and is over: an orphan of
+/// another supervisor sharing this process, or a worker left running for adoption, carries a
+/// token the caller cannot vouch for and must never be signalled. Orphans without a run id or
+/// token are left alone. Each is signalled through a pidfd verified against the fingerprint
 /// read here (SIGTERM; SIGKILL after `kill_timeout`). Blocking. Returns the pids ended.
-pub fn end_stray_orphans(live_tokens: &dyn Fn(&str) -> bool, kill_timeout: std::time::Duration) -> Vec<Pid> {
+pub fn end_stray_orphans(
+    is_stray: &dyn Fn(i64, &str) -> bool,
+    kill_timeout: std::time::Duration,
+) -> Vec<Pid> {
     let mut fds = Vec::new();
     for (pid, token) in live_orphans() {
-        let Some(token) = token else { continue };
-        if live_tokens(&token) {
+        let (Some(token), Some(run_id)) = (token, run_id_of(pid)) else {
+            continue;
+        };
+        if !is_stray(run_id, &token) {
             continue;
         }
         let Ok(fp) = fingerprint(pid) else { continue };
@@ -124,6 +151,9 @@ pub fn terminate_tree(
     kill_timeout: std::time::Duration,
 ) -> Result<super::Ended, super::ProcessError> {
     let deadline = std::time::Instant::now() + kill_timeout;
+    // The group first: the /proc scan for stragglers takes milliseconds and must not delay
+    // the signal the worker itself is waiting for. (terminate_group repeats it; harmless.)
+    let _ = leader.signal_group(super::Signal::SIGTERM);
     let stragglers = pidfds_by_token(token);
     for fd in &stragglers {
         signal_straggler(fd, super::Signal::SIGTERM);
