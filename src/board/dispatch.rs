@@ -69,9 +69,11 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
     }
     let now = opts.now;
     let plan = board.read(|tx| {
+        let open = tx.open_runs_by_assignee()?;
+        let with_room = assignees_with_room(&open, &opts.assignee_caps);
         plan_claims(
-            &tx.ready_candidates(now, opts.max_spawn.saturating_mul(4).max(64))?,
-            &tx.open_runs_by_assignee()?,
+            &tx.ready_candidates_for(now, &with_room, opts.max_spawn.saturating_mul(4).max(64))?,
+            &open,
             opts.max_in_progress,
             &opts.assignee_caps,
             opts.max_spawn,
@@ -84,6 +86,9 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
             Ok(c) => c,
             Err(e) => {
                 tracing::debug!(task_id, error = %e, "dispatch: claim refused");
+                // The refused claim was rolled back; a task whose parent reopened is demoted
+                // in a transaction of its own so the demotion persists.
+                board.write(|tx| tx.demote_if_waiting(task_id, now))?;
                 continue;
             }
         };
@@ -114,6 +119,18 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
         }
     }
     Ok(report)
+}
+
+/// The assignees (of `caps`) with fewer open runs than their cap: the only ones whose ready
+/// tasks a pass should look at (see [`super::Tx::ready_candidates_for`]).
+pub fn assignees_with_room(
+    open_by_assignee: &BTreeMap<String, u32>,
+    caps: &BTreeMap<String, u32>,
+) -> Vec<String> {
+    caps.iter()
+        .filter(|(name, cap)| open_by_assignee.get(*name).copied().unwrap_or(0) < **cap)
+        .map(|(name, _)| name.clone())
+        .collect()
 }
 
 /// Picks which candidates to claim: in the given (priority) order, skipping assignees that are

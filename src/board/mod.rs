@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags};
 
-pub use dispatch::{DispatchOptions, DispatchReport, SpawnFn, dispatch_once, plan_claims};
+pub use dispatch::{
+    DispatchOptions, DispatchReport, SpawnFn, assignees_with_room, dispatch_once, plan_claims,
+};
 pub use reaper::{ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
 pub use runs::{ExitInfo, FailResult};
 pub use schema::SCHEMA_VERSION;

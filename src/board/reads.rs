@@ -145,6 +145,30 @@ impl Tx<'_> {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
+    /// Like [`Tx::ready_candidates`], but only tasks of `assignees` (the ones with a free slot,
+    /// see [`super::assignees_with_room`]). Without this filter a full assignee's backlog
+    /// longer than `limit` fills every candidate slot and hides the ready tasks of assignees
+    /// that could run them now (head-of-line blocking).
+    pub fn ready_candidates_for(
+        &self,
+        now: Millis,
+        assignees: &[String],
+        limit: u32,
+    ) -> Result<Vec<Task>> {
+        if assignees.is_empty() {
+            return Ok(Vec::new());
+        }
+        let names = serde_json::Value::from(assignees.to_vec()).to_string();
+        let sql = format!(
+            "SELECT {TASK_COLS} FROM tasks WHERE status = 'ready' AND not_before <= ?1 \
+             AND assignee IN (SELECT value FROM json_each(?3)) \
+             ORDER BY priority DESC, created_at, id LIMIT ?2"
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map(params![now, limit, names], rows::task)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     /// The earliest `not_before` among ready tasks still backing off, if any (so the dispatcher
     /// can wake exactly then instead of polling).
     pub fn next_backoff_expiry(&self, now: Millis) -> Result<Option<Millis>> {

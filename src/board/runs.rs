@@ -34,8 +34,8 @@ fn new_token() -> String {
 
 impl Tx<'_> {
     /// Claims a ready task: opens a run (with a fresh token and a lease) and marks the task
-    /// running. A task whose parent reopened since it became ready is demoted to `todo` instead
-    /// and the claim is refused.
+    /// running. A task whose parent reopened since it became ready is refused (`Conflict`); the
+    /// caller then demotes it with [`Tx::demote_if_waiting`].
     pub fn claim_task(
         &self,
         task_id: TaskId,
@@ -51,16 +51,12 @@ impl Tx<'_> {
             )));
         }
         if !self.parents_satisfied(task_id)? {
-            self.set_status(task_id, TaskStatus::Ready, TaskStatus::Todo, now)?;
-            self.append_event(
-                Some(task_id),
-                None,
-                "demoted",
-                json!({ "reason": "parent_reopened" }),
-                now,
-            )?;
+            // The refusal is an `Err`, and callers roll an `Err`'s writes back (a savepoint, or
+            // the whole transaction): a demotion written here would never persist. Refuse
+            // without writing; the caller demotes with `demote_if_waiting` outside the failed
+            // claim (the dispatch passes do).
             return Err(BoardError::Conflict(format!(
-                "task {task_id} has an unfinished parent; demoted to todo"
+                "task {task_id} has an unfinished parent; it must be demoted to todo"
             )));
         }
         let attempt: i64 = self
@@ -101,6 +97,27 @@ impl Tx<'_> {
             attempt,
             token,
         })
+    }
+
+    /// Demotes a `ready` task whose parents are no longer all finished (a parent reopened since
+    /// it was promoted) back to `todo`, with a `demoted` event. True if it did. Called by the
+    /// dispatch passes after `claim_task` refused such a task, outside the refused claim's
+    /// rollback, so the demotion persists and the task is not offered again on every pass.
+    pub fn demote_if_waiting(&self, task_id: TaskId, now: Millis) -> Result<bool> {
+        if self.task_status(task_id)? != TaskStatus::Ready || self.parents_satisfied(task_id)? {
+            return Ok(false);
+        }
+        if !self.set_status(task_id, TaskStatus::Ready, TaskStatus::Todo, now)? {
+            return Ok(false);
+        }
+        self.append_event(
+            Some(task_id),
+            None,
+            "demoted",
+            json!({ "reason": "parent_reopened" }),
+            now,
+        )?;
+        Ok(true)
     }
 
     /// Records the spawned worker's pid and fingerprint on its run. Works on a run that already

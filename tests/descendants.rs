@@ -1,0 +1,190 @@
+//! Descendants of a worker, including one that escaped its process group and session with
+//! `setsid`, are ended with it once its run's grace has passed — with the real
+//! `runwarden serve` (a child subreaper, so the escapee re-parents to it) and a worker that
+//! reports over the control socket with `runwarden complete`:
+//!
+//! ```sh
+//! sleep 300 & setsid sh -c "sleep 301 &" ; runwarden complete --result ok; sleep 302
+//! ```
+//!
+//! The three sleeps are found through `/proc` (they carry the run's `RUNWARDEN_RUN_TOKEN`) and
+//! pinned by fingerprint before the grace ends; afterwards each is dead (or its pid recycled,
+//! which the fingerprint tells apart).
+
+#[allow(dead_code)]
+mod common;
+
+use std::time::Duration;
+
+use common::lifecycle::{Db, View, now, stop_serve, wait_run_procs};
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, Serve, TestDir};
+use runwarden::board::{NewTask, RunOutcome, TaskStatus, now_millis};
+use runwarden::process::{Signal, read_stat};
+
+const WORKER: &str =
+    r#"sleep 300 & setsid sh -c "sleep 301 &" ; runwarden complete --result ok; sleep 302"#;
+
+#[test]
+fn a_finished_runs_descendants_are_all_ended_after_the_grace() {
+    let td = TestDir::new();
+    let grace = Duration::from_millis(1500);
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        &format!(
+            "[reaper]\ngrace = \"1500ms\"\nkill_timeout = \"1s\"\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {WORKER:?}]\n"
+        ),
+    );
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(&NewTask::titled("escapes").for_assignee("w"), now_millis())?
+            .id)
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+
+    db.wait_event(task, "worker_spawned", SETTLE);
+    let run = db.runs(task)[0].clone();
+    let worker_pid = run.spawned_pid.expect("spawned pid") as i32;
+    let sleeps = wait_run_procs(&run.token, &["sleep 300", "sleep 301", "sleep 302"], SETTLE);
+    let seen_at = now();
+    // Pinned: whatever happens below, they are SIGKILLed by pid through a verified pidfd.
+    let _pins: Vec<_> = sleeps.iter().filter_map(|s| s.pin()).collect();
+
+    // The scenario is what it says: 301 left the worker's group and session and was
+    // re-parented to the supervisor; 300 and 302 stayed in the worker's group.
+    let stat = |pid| read_stat(pid).expect("stat of a live sleep");
+    let escaped = stat(sleeps[1].pid);
+    assert_ne!(
+        escaped.pgrp, worker_pid,
+        "sleep 301 left the group: {escaped:?}"
+    );
+    assert_ne!(
+        escaped.session,
+        stat(worker_pid).session,
+        "and the session: {escaped:?}"
+    );
+    assert_eq!(
+        escaped.ppid,
+        serve.pid(),
+        "re-parented to the subreaper: {escaped:?}"
+    );
+    for s in [&sleeps[0], &sleeps[2]] {
+        assert_eq!(stat(s.pid).pgrp, worker_pid, "{s:?} in the worker's group");
+    }
+
+    let done = db.wait_status(task, TaskStatus::Done, SETTLE);
+    assert_eq!(
+        done.result.as_deref(),
+        Some("ok"),
+        "reported by `runwarden complete`"
+    );
+    let run = db.run(run.id);
+    assert_eq!(
+        run.outcome,
+        Some(RunOutcome::Completed),
+        "{}",
+        db.history(task)
+    );
+    let ended_at = run.ended_at.unwrap();
+    let due = ended_at + grace.as_millis() as i64;
+    assert!(
+        seen_at < due,
+        "the sleeps were recorded before the grace ended"
+    );
+    // The grace is honoured: all three still run shortly before it ends.
+    if now() < due - 300 {
+        assert!(
+            sleeps.iter().all(|s| s.alive()),
+            "ended before the grace: {sleeps:?}"
+        );
+    }
+
+    // After the grace: each of the three is dead (first seen dead no earlier than the grace).
+    let mut dead_at = vec![None; sleeps.len()];
+    let all_dead = wait_until(grace + 2 * SETTLE, || {
+        for (s, at) in sleeps.iter().zip(dead_at.iter_mut()) {
+            if at.is_none() && !s.alive() {
+                *at = Some(now());
+            }
+        }
+        dead_at.iter().all(Option::is_some)
+    });
+    let alive: Vec<_> = sleeps.iter().filter(|s| s.alive()).collect();
+    assert!(
+        all_dead,
+        "still alive after the grace: {alive:?}\n{}",
+        serve.stderr()
+    );
+    for (s, at) in sleeps.iter().zip(&dead_at) {
+        let at = at.unwrap();
+        assert!(
+            at >= due - 50,
+            "{s:?} died at {at}, before the grace ended at {due}"
+        );
+    }
+    let reaped = db.wait_event(task, "terminal_worker_reaped", SETTLE);
+    assert_eq!(reaped.run_id, Some(run.id));
+
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}
+
+#[test]
+fn an_escapee_of_a_worker_that_exited_by_itself_is_ended_with_its_run() {
+    let td = TestDir::new();
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        "[reaper]\ngrace = \"1m\"\nkill_timeout = \"1s\"\n\n\
+         [assignees.w]\ncommand = [\"sh\", \"-c\", \"setsid sh -c 'sleep 303 &'; sleep 0.5; exit 0\"]\n",
+    );
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(
+                &NewTask::titled("leaves one behind").for_assignee("w"),
+                now_millis(),
+            )?
+            .id)
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    db.wait_event(task, "worker_spawned", SETTLE);
+    let run = db.runs(task)[0].clone();
+    let escapee = wait_run_procs(&run.token, &["sleep 303"], SETTLE).remove(0);
+    let _pin = escapee.pin();
+    assert_eq!(
+        read_stat(escapee.pid).expect("stat").ppid,
+        serve.pid(),
+        "re-parented to serve"
+    );
+
+    // The worker exits 0 on its own: the run completes, and the escapee carrying its token is
+    // ended by the next tick (no grace: nothing of the run is left to finish).
+    db.wait_status(task, TaskStatus::Done, SETTLE);
+    let ended_at = db.run(run.id).ended_at.unwrap();
+    assert!(
+        wait_until(SETTLE, || !escapee.alive()),
+        "the escapee outlived its run: {escapee:?}\n{}",
+        serve.stderr()
+    );
+    assert!(
+        now() - ended_at < 5_000,
+        "ended long after its run ({} ms)",
+        now() - ended_at
+    );
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}

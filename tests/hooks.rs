@@ -1,0 +1,268 @@
+//! `[[hooks]]` with the real `runwarden serve`:
+//!
+//! - a hook on `gave_up` / `crashed` (the outcome of the `run_closed` a crash records) runs
+//!   with the event as JSON on stdin and `RUNWARDEN_EVENT_*` in its environment (the hook
+//!   writes both to files; they match the board's event exactly), and only for what it names;
+//! - a hook that exceeds its timeout is killed — it and its background child, by group —
+//!   while the supervisor keeps dispatching;
+//! - a failing hook (non-zero exit, or a command that cannot start) is logged, never fatal.
+
+#[allow(dead_code)]
+mod common;
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+use common::lifecycle::{Db, Seen, View, now, seen, stop_serve, wait_pid_file};
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard};
+use runwarden::board::{Event, NewTask, TaskId, TaskStatus, now_millis};
+use runwarden::process::Signal;
+
+/// Starts `serve` with assignee `w` running `sh -c worker` and the given `[[hooks]]` tables,
+/// after creating one task per title; returns the serve, the board and the tasks.
+fn start(td: &TestDir, worker: &str, hooks: &str, titles: &[&str]) -> (Serve, Db, Vec<TaskId>) {
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        &format!(
+            "[retries]\nmax_retries = 0\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\nmax_in_progress = 4\n\n{hooks}\n"
+        ),
+    );
+    fs::create_dir_all(td.data_dir()).unwrap();
+    let db = Db::new(td.db_path());
+    let tasks = db.write(|tx| {
+        titles
+            .iter()
+            .map(|t| {
+                Ok(tx
+                    .create_task(&NewTask::titled(*t).for_assignee("w"), now_millis())?
+                    .id)
+            })
+            .collect()
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    (serve, db, tasks)
+}
+
+/// A `[[hooks]]` table.
+fn hook(on: &[&str], script: &str, timeout: &str) -> String {
+    format!(
+        "[[hooks]]\non = {on:?}\ncommand = [\"sh\", \"-c\", {script:?}]\ntimeout = {timeout:?}\n"
+    )
+}
+
+/// Pins every pid written in `*.pid` files under `dir` that is still running.
+fn pin_pid_files(dir: &Path) -> Vec<WorkerGuard> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".pid"))
+        .filter_map(|e| fs::read_to_string(e.path()).ok()?.trim().parse().ok())
+        .filter_map(|pid| {
+            let fp = runwarden::process::fingerprint(pid).ok()?;
+            WorkerGuard::adopt(pid, &fp)
+        })
+        .collect()
+}
+
+#[test]
+fn a_hook_gets_the_event_as_json_on_stdin_and_in_its_environment() {
+    let td = TestDir::new();
+    let out = td.path().join("hook-out");
+    fs::create_dir_all(&out).unwrap();
+    // The environment first, the JSON last and by rename: a `.json` file means both are whole.
+    let script = format!(
+        "cd {out:?} && env | grep '^RUNWARDEN_EVENT_' | sort > \"$RUNWARDEN_EVENT_ID.env\" \
+         && cat > \"$RUNWARDEN_EVENT_ID.tmp\" && mv \"$RUNWARDEN_EVENT_ID.tmp\" \"$RUNWARDEN_EVENT_ID.json\"",
+        out = out.display().to_string()
+    );
+    let (mut serve, mut db, tasks) = start(
+        &td,
+        "echo 'worker failed on purpose' >&2; exit 3",
+        // `crashed` is a run outcome, not an event kind: it fires on the crash's `run_closed`.
+        &hook(&["gave_up", "crashed"], &script, "5s"),
+        &["doomed"],
+    );
+    let task = tasks[0];
+    db.wait_status(task, TaskStatus::Blocked, SETTLE);
+    let gave_up = db.wait_event(task, "gave_up", SETTLE);
+    let closed = db.wait_event(task, "run_closed", SETTLE);
+    assert_eq!(closed.payload["outcome"], "crashed", "{closed:?}");
+
+    for ev in [&closed, &gave_up] {
+        let json = out.join(format!("{}.json", ev.id));
+        assert!(
+            wait_until(SETTLE, || json.exists()),
+            "no hook output for {} event {}; stderr:\n{}",
+            ev.kind,
+            ev.id,
+            serve.stderr()
+        );
+        let text = fs::read_to_string(&json).unwrap();
+        let from_stdin: Event =
+            serde_json::from_str(text.trim()).expect("the hook's stdin is an event");
+        assert_eq!(&from_stdin, ev, "stdin carries the board's event");
+        let env = fs::read_to_string(out.join(format!("{}.env", ev.id))).unwrap();
+        let mut expected = vec![
+            format!("RUNWARDEN_EVENT_AT={}", ev.at),
+            format!("RUNWARDEN_EVENT_ID={}", ev.id),
+            format!("RUNWARDEN_EVENT_KIND={}", ev.kind),
+            format!("RUNWARDEN_EVENT_RUN_ID={}", ev.run_id.unwrap()),
+            format!("RUNWARDEN_EVENT_TASK_ID={task}"),
+        ];
+        expected.sort();
+        assert_eq!(env.lines().collect::<Vec<_>>(), expected, "{env}");
+    }
+    let last_error = gave_up.payload["last_error"].as_str().unwrap_or_default();
+    assert!(
+        last_error.contains("worker failed on purpose"),
+        "{last_error}"
+    );
+
+    // Only the kinds it names (claimed, worker_spawned, worker_exited… ran no hook).
+    let ran: BTreeSet<String> = fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".json"))
+        .collect();
+    let expected: BTreeSet<String> = [closed.id, gave_up.id]
+        .iter()
+        .map(|id| format!("{id}.json"))
+        .collect();
+    assert_eq!(ran, expected);
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}
+
+#[test]
+fn a_hook_over_its_timeout_is_killed_and_the_supervisor_keeps_going() {
+    let td = TestDir::new();
+    let out = td.path().join("hook-out");
+    fs::create_dir_all(&out).unwrap();
+    let timeout = Duration::from_millis(500);
+    // Hangs, with a background child in its group; both pids published atomically.
+    let script = format!(
+        "cd {out:?} || exit 1; sleep 301 & echo $! > \"$RUNWARDEN_EVENT_TASK_ID-bg.tmp\"; \
+         mv \"$RUNWARDEN_EVENT_TASK_ID-bg.tmp\" \"$RUNWARDEN_EVENT_TASK_ID-bg.pid\"; \
+         echo $$ > \"$RUNWARDEN_EVENT_TASK_ID-hook.tmp\"; \
+         mv \"$RUNWARDEN_EVENT_TASK_ID-hook.tmp\" \"$RUNWARDEN_EVENT_TASK_ID-hook.pid\"; exec sleep 300",
+        out = out.display().to_string()
+    );
+    let (mut serve, mut db, tasks) = start(
+        &td,
+        "exit 0",
+        &hook(&["claimed"], &script, "500ms"),
+        &["first"],
+    );
+    let first = tasks[0];
+    let claimed = db.wait_event(first, "claimed", SETTLE);
+    let hook_pid = wait_pid_file(&out.join(format!("{first}-hook.pid")), SETTLE);
+    let bg_pid = wait_pid_file(&out.join(format!("{first}-bg.pid")), SETTLE);
+    let procs: Vec<Seen> = [hook_pid, bg_pid].into_iter().map(seen).collect();
+    let _pins: Vec<_> = procs.iter().filter_map(Seen::pin).collect();
+
+    // The supervisor goes on while the hook hangs: the task completes, a new one runs.
+    db.wait_status(first, TaskStatus::Done, SETTLE);
+    let second = db.write(|tx| {
+        Ok(tx
+            .create_task(&NewTask::titled("second").for_assignee("w"), now_millis())?
+            .id)
+    });
+    db.wait_status(second, TaskStatus::Done, SETTLE);
+
+    // Killed at its timeout, not before; its background child with it.
+    let mut dead_at = None;
+    wait_until(timeout + 2 * SETTLE, || {
+        if procs.iter().all(|p| !p.alive()) {
+            dead_at = Some(now());
+        }
+        dead_at.is_some()
+    });
+    let _more_pins = pin_pid_files(&out);
+    let dead_at =
+        dead_at.unwrap_or_else(|| panic!("hook still running: {procs:?}\n{}", serve.stderr()));
+    assert!(
+        dead_at >= claimed.at + timeout.as_millis() as i64 - 50,
+        "hook killed {} ms after its event, timeout {timeout:?}",
+        dead_at - claimed.at
+    );
+    assert!(
+        wait_until(SETTLE, || serve.stderr().contains("timed out after 500ms")),
+        "the timeout is logged; stderr:\n{}",
+        serve.stderr()
+    );
+    assert!(
+        matches!(serve.child.try_wait(), Ok(None)),
+        "serve keeps running"
+    );
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}
+
+#[test]
+fn a_failing_hook_is_logged_never_fatal() {
+    let td = TestDir::new();
+    let out = td.path().join("hook-out");
+    fs::create_dir_all(&out).unwrap();
+    let log = out.join("failing.log");
+    let failing = format!(
+        "echo \"$RUNWARDEN_EVENT_KIND\" >> {:?}; exit 7",
+        log.display().to_string()
+    );
+    let hooks = format!(
+        "{}\n[[hooks]]\non = [\"claimed\"]\ncommand = [\"/nonexistent/hook\"]\n",
+        hook(&["claimed", "completed"], &failing, "5s")
+    );
+    let (mut serve, mut db, tasks) = start(&td, "exit 0", &hooks, &["a", "b", "c"]);
+    for &task in &tasks {
+        db.wait_status(task, TaskStatus::Done, SETTLE);
+    }
+    // The failing hook ran for every event it names, the run goes on regardless.
+    let ran = wait_until(SETTLE, || {
+        fs::read_to_string(&log).is_ok_and(|s| s.lines().count() == 2 * tasks.len())
+    });
+    let text = fs::read_to_string(&log).unwrap_or_default();
+    assert!(ran, "hook runs: {text:?}");
+    assert_eq!(
+        text.lines().filter(|l| *l == "claimed").count(),
+        tasks.len()
+    );
+    assert_eq!(
+        text.lines().filter(|l| *l == "completed").count(),
+        tasks.len()
+    );
+    let logged = wait_until(SETTLE, || {
+        let e = serve.stderr();
+        e.matches("hook failed").count() >= 3 * tasks.len()
+            && e.contains("exited with")
+            && e.contains("/nonexistent/hook")
+    });
+    let stderr = serve.stderr();
+    assert!(logged, "each failure is logged; stderr:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        matches!(serve.child.try_wait(), Ok(None)),
+        "serve keeps running"
+    );
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}

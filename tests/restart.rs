@@ -1,0 +1,166 @@
+//! A supervisor killed with SIGKILL loses nothing and duplicates nothing. The real
+//! `runwarden serve` starts 20 workers that sleep and then report with `runwarden complete`
+//! (retrying until a supervisor answers); it is SIGKILLed mid-way, the workers live on, and a
+//! second `serve` adopts them:
+//!
+//! - every task ends `done` exactly once (one `completed` event per task);
+//! - no task ever had two runs open or two workers: one claim, one spawn, one run per task,
+//!   and the run that completed is the one the second incarnation adopted;
+//! - no worker is left at the end (every recorded pid is dead, by fingerprint);
+//! - the board passes `PRAGMA integrity_check`.
+
+#[allow(dead_code)]
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::lifecycle::{Db, View, complete_loop, spawned_identity, stop_serve};
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard};
+use runwarden::board::{NewTask, RunOutcome, TaskId, TaskStatus, now_millis};
+use runwarden::process::Signal;
+
+const TASKS: usize = 20;
+
+#[test]
+fn sigkilled_supervisor_restarts_and_every_task_completes_exactly_once() {
+    let td = TestDir::new();
+    let worker = format!("sleep 3; {}", complete_loop("ok"));
+    let config = td.write_config(
+        "tick = \"100ms\"\nmax_in_progress = 32",
+        &format!(
+            "[reaper]\ngrace = \"1s\"\nkill_timeout = \"1s\"\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\nmax_in_progress = 32\n"
+        ),
+    );
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let tasks: Vec<TaskId> = db.write(|tx| {
+        let now = now_millis();
+        (0..TASKS)
+            .map(|i| {
+                Ok(tx
+                    .create_task(&NewTask::titled(format!("task {i}")).for_assignee("w"), now)?
+                    .id)
+            })
+            .collect()
+    });
+
+    let started = Instant::now();
+    let mut first = Serve::start(&config, "serve1");
+    first.wait_ready(&td.lock_path(), &td.db_path());
+    let mut spawned = Vec::new();
+    let all = wait_until(SETTLE, || {
+        spawned = db
+            .all_events()
+            .into_iter()
+            .filter(|e| e.kind == "worker_spawned")
+            .collect();
+        spawned.len() == TASKS
+    });
+    assert!(
+        all,
+        "{} of {TASKS} workers spawned; stderr:\n{}",
+        spawned.len(),
+        first.stderr()
+    );
+    // Pinned by fingerprint: ended by pid on drop, whatever happens below.
+    let workers: BTreeMap<TaskId, WorkerGuard> = spawned
+        .iter()
+        .map(|e| {
+            let (pid, fp) = spawned_identity(e);
+            (e.task_id.unwrap(), WorkerGuard::pin(pid, &fp))
+        })
+        .collect();
+    assert_eq!(workers.len(), TASKS, "one worker per task");
+
+    stop_serve(&mut first, Signal::SIGKILL, SETTLE);
+    // Still sleeping (3 s from their spawn): the SIGKILL took the supervisor alone.
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "too slow to test anything"
+    );
+    for (task, w) in &workers {
+        assert!(
+            w.alive(),
+            "task {task}: worker {} died with the supervisor",
+            w.pid
+        );
+    }
+
+    let mut second = Serve::start(&config, "serve2");
+    second.wait_ready(&td.lock_path(), &td.db_path());
+    for &task in &tasks {
+        db.wait_status(task, TaskStatus::Done, 3 * SETTLE);
+    }
+
+    for &task in &tasks {
+        let d = db.detail(task);
+        let history = db.history(task);
+        let count = |kind: &str| d.events.iter().filter(|e| e.kind == kind).count();
+        assert_eq!(count("completed"), 1, "done exactly once\n{history}");
+        assert_eq!(count("claimed"), 1, "claimed once\n{history}");
+        assert_eq!(count("worker_spawned"), 1, "one worker\n{history}");
+        assert_eq!(d.runs.len(), 1, "one run\n{history}");
+        let run = &d.runs[0];
+        assert_eq!(run.outcome, Some(RunOutcome::Completed), "{history}");
+        assert_eq!(
+            d.task.result.as_deref(),
+            Some("ok"),
+            "reported by the worker\n{history}"
+        );
+        let adopted: Vec<_> = d
+            .events
+            .iter()
+            .filter(|e| e.kind == "worker_adopted")
+            .collect();
+        assert_eq!(
+            adopted.len(),
+            1,
+            "adopted once by the second incarnation\n{history}"
+        );
+        assert_eq!(adopted[0].run_id, Some(run.id), "{history}");
+        let completed = d.events.iter().find(|e| e.kind == "completed").unwrap();
+        assert_eq!(
+            completed.run_id,
+            Some(run.id),
+            "the adopted run completed\n{history}"
+        );
+        assert_eq!(run.spawned_pid, Some(i64::from(workers[&task].pid)));
+        // At most one open run at any time (claimed +1, run_closed −1, in commit order).
+        let mut open = 0;
+        for e in &d.events {
+            match e.kind.as_str() {
+                "claimed" => open += 1,
+                "run_closed" => open -= 1,
+                _ => {}
+            }
+            assert!(
+                (0..=1).contains(&open),
+                "{open} runs open at event {}\n{history}",
+                e.id
+            );
+        }
+    }
+
+    // No worker left: each exits after reporting, or the reaper ends it after the grace.
+    let gone = wait_until(SETTLE, || workers.values().all(|w| !w.alive()));
+    let left: Vec<_> = workers
+        .values()
+        .filter(|w| w.alive())
+        .map(|w| w.pid)
+        .collect();
+    assert!(gone, "workers left: {left:?}\n{}", second.stderr());
+    let open = db.read(|tx| tx.open_runs());
+    assert!(open.is_empty(), "open runs left: {open:?}");
+
+    let status = stop_serve(&mut second, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        second.stderr()
+    );
+    drop(db);
+    assert_eq!(Db::new(td.db_path()).integrity_check(), "ok");
+}
