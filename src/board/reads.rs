@@ -8,6 +8,12 @@ use super::rows::{self, RUN_COLS, TASK_COLS};
 use super::types::{Millis, Run, RunId, Task, TaskDetail, TaskFilter, TaskId, TaskStatus};
 use super::{BoardError, Result, Tx};
 
+/// A task is not claimable while an earlier run of it still holds worker evidence: that
+/// worker (reclaimed, timed out, archived-then-unarchived…) may still be alive and being ended,
+/// and a second worker for the same task must never start beside it.
+pub(super) const NO_LIVE_PREVIOUS_WORKER: &str = "AND NOT EXISTS (SELECT 1 FROM task_runs r \
+     WHERE r.task_id = tasks.id AND r.worker_pid IS NOT NULL)";
+
 /// Most tasks `list_tasks` returns without an explicit limit.
 const DEFAULT_LIST_LIMIT: u32 = 1000;
 
@@ -138,7 +144,7 @@ impl Tx<'_> {
     pub fn ready_candidates(&self, now: Millis, limit: u32) -> Result<Vec<Task>> {
         let sql = format!(
             "SELECT {TASK_COLS} FROM tasks WHERE status = 'ready' AND not_before <= ?1 \
-             ORDER BY priority DESC, created_at, id LIMIT ?2"
+             {NO_LIVE_PREVIOUS_WORKER} ORDER BY priority DESC, created_at, id LIMIT ?2"
         );
         let mut stmt = self.conn.prepare_cached(&sql)?;
         let rows = stmt.query_map(params![now, limit], rows::task)?;
@@ -161,7 +167,7 @@ impl Tx<'_> {
         let names = serde_json::Value::from(assignees.to_vec()).to_string();
         let sql = format!(
             "SELECT {TASK_COLS} FROM tasks WHERE status = 'ready' AND not_before <= ?1 \
-             AND assignee IN (SELECT value FROM json_each(?3)) \
+             AND assignee IN (SELECT value FROM json_each(?3)) {NO_LIVE_PREVIOUS_WORKER} \
              ORDER BY priority DESC, created_at, id LIMIT ?2"
         );
         let mut stmt = self.conn.prepare_cached(&sql)?;

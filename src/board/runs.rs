@@ -59,6 +59,18 @@ impl Tx<'_> {
                 "task {task_id} has an unfinished parent; it must be demoted to todo"
             )));
         }
+        let holders: i64 = self
+            .conn
+            .prepare_cached(
+                "SELECT count(*) FROM task_runs WHERE task_id = ?1 AND worker_pid IS NOT NULL",
+            )?
+            .query_row([task_id], |r| r.get(0))?;
+        if holders > 0 {
+            // See reads::NO_LIVE_PREVIOUS_WORKER: never two workers for one task.
+            return Err(BoardError::Conflict(format!(
+                "task {task_id}: the worker of an earlier run may still be alive"
+            )));
+        }
         let attempt: i64 = self
             .conn
             .prepare_cached("SELECT count(*) + 1 FROM task_runs WHERE task_id = ?1")?
