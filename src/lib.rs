@@ -30,6 +30,7 @@ pub mod actors;
 pub mod board;
 pub mod cli;
 pub mod config;
+pub mod control;
 pub mod lock;
 pub mod process;
 pub mod supervisor;

@@ -670,6 +670,15 @@ impl DispatcherActor {
     fn tick(&mut self, ctx: &mut Context<Self>) {
         self.pass(ctx);
         self.reconcile(ctx);
+        // Safety net for promotions: transitions promote children themselves, but a board
+        // changed behind our back (an older build, a hand edit) must not strand a child in
+        // `todo`. O(todo rows); a commit with nothing written costs no fsync.
+        let store = self.store.clone();
+        actix_rt::spawn(async move {
+            if let Err(e) = store.with_tx(|tx, now| tx.promote_ready(now)).await {
+                tracing::warn!(error = %e, "promotion sweep failed");
+            }
+        });
         // Zombies of descendants re-parented to us (we are a subreaper) are collected here;
         // our own workers' leaders are reaped by their actors, never here.
         let logs: Vec<_> = self

@@ -57,7 +57,9 @@ impl HookActor {
 
     fn drain(&mut self, ctx: &mut Context<Self>) {
         while self.running < MAX_RUNNING {
-            let Some((hook, ev)) = self.queue.pop_front() else { return };
+            let Some((hook, ev)) = self.queue.pop_front() else {
+                return;
+            };
             self.running += 1;
             let me = ctx.address();
             actix_rt::task::spawn_blocking(move || {
@@ -81,7 +83,10 @@ impl Actor for HookActor {
                 match feed.recv().await {
                     Ok(ev) => me.do_send(HookEvent(ev)),
                     Err(broadcast::error::RecvError::Lagged(n)) => {
-                        tracing::warn!(missed = n, "hooks lagged behind the event feed; some hooks did not run");
+                        tracing::warn!(
+                            missed = n,
+                            "hooks lagged behind the event feed; some hooks did not run"
+                        );
                     }
                     Err(broadcast::error::RecvError::Closed) => break,
                 }
@@ -146,10 +151,18 @@ fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
         .env("RUNWARDEN_EVENT_ID", ev.id.to_string())
         .env("RUNWARDEN_EVENT_KIND", &ev.kind)
         .env("RUNWARDEN_EVENT_AT", ev.at.to_string())
-        .env("RUNWARDEN_EVENT_TASK_ID", ev.task_id.map(|t| t.to_string()).unwrap_or_default())
-        .env("RUNWARDEN_EVENT_RUN_ID", ev.run_id.map(|r| r.to_string()).unwrap_or_default());
+        .env(
+            "RUNWARDEN_EVENT_TASK_ID",
+            ev.task_id.map(|t| t.to_string()).unwrap_or_default(),
+        )
+        .env(
+            "RUNWARDEN_EVENT_RUN_ID",
+            ev.run_id.map(|r| r.to_string()).unwrap_or_default(),
+        );
     let mut owned = process::owned::lock();
-    let mut child = cmd.spawn().map_err(|e| format!("cannot start `{program}`: {e}"))?;
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start `{program}`: {e}"))?;
     let pid = child.id() as i32;
     owned.insert(pid);
     drop(owned);
@@ -170,7 +183,10 @@ fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
     let status = child.wait().map_err(|e| e.to_string());
     process::owned::unregister(pid);
     if timed_out {
-        return Err(format!("timed out after {}", humantime::format_duration(hook.timeout)));
+        return Err(format!(
+            "timed out after {}",
+            humantime::format_duration(hook.timeout)
+        ));
     }
     match status? {
         s if s.success() => Ok(()),

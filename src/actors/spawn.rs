@@ -57,8 +57,12 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     })?;
     if spec.own_cwd && (spec.uid.is_some() || spec.gid.is_some()) {
         // A worker that runs as another user must be able to work in its own directory.
-        std::os::unix::fs::chown(&spec.cwd, spec.uid, spec.gid)
-            .map_err(|e| format!("cannot hand {} to the worker's user: {e}", spec.cwd.display()))?;
+        std::os::unix::fs::chown(&spec.cwd, spec.uid, spec.gid).map_err(|e| {
+            format!(
+                "cannot hand {} to the worker's user: {e}",
+                spec.cwd.display()
+            )
+        })?;
     }
     let log = open_log(&spec.log_path, spec.log_max_bytes)?;
     let log_err = log

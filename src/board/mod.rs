@@ -30,6 +30,8 @@ pub use runs::{ExitInfo, FailResult};
 pub use schema::SCHEMA_VERSION;
 pub use types::*;
 
+/// Prepared statements kept per connection (more than the board has distinct statements).
+const STATEMENT_CACHE: usize = 256;
 /// How long a statement waits for another connection's lock before failing with `busy`.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -143,8 +145,20 @@ impl Board {
                 | OpenFlags::SQLITE_OPEN_CREATE
                 | OpenFlags::SQLITE_OPEN_NO_MUTEX
         };
+        let fresh = !opts.read_only && !path.exists();
         let mut conn = Connection::open_with_flags(path, flags).map_err(wrap)?;
+        if fresh {
+            // The board holds every run's secret token: readable by its owner only. (SQLite
+            // gives the -wal and -shm files the database file's permissions.)
+            use std::os::unix::fs::PermissionsExt;
+            if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot restrict the board's permissions");
+            }
+        }
         conn.busy_timeout(BUSY_TIMEOUT).map_err(wrap)?;
+        // Every statement is prepared through the cache; the default of 16 is fewer than the
+        // board's distinct statements, and a thrashing cache re-prepares on every call.
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         if !opts.read_only {
             // WAL: readers (CLI, `show`) never block the supervisor's writer.
             let mode: String = conn
@@ -193,10 +207,7 @@ impl Board {
     /// savepoint: an op that fails is rolled back alone and the others still commit. Returns
     /// each op's result in order, or the commit error when the transaction as a whole failed
     /// (then nothing of the batch is durable).
-    pub fn write_batch<T>(
-        &mut self,
-        batch: Vec<BatchOp<'_, T>>,
-    ) -> Result<Vec<Result<T>>> {
+    pub fn write_batch<T>(&mut self, batch: Vec<BatchOp<'_, T>>) -> Result<Vec<Result<T>>> {
         let mut tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;

@@ -143,7 +143,8 @@ impl Tx<'_> {
     /// Ready tasks claimable at `now`, in claim order (priority, then age), at most `limit`.
     pub fn ready_candidates(&self, now: Millis, limit: u32) -> Result<Vec<Task>> {
         let sql = format!(
-            "SELECT {TASK_COLS} FROM tasks WHERE status = 'ready' AND not_before <= ?1 \
+            "SELECT {TASK_COLS} FROM tasks INDEXED BY tasks_ready \
+             WHERE status = 'ready' AND not_before <= ?1 \
              {NO_LIVE_PREVIOUS_WORKER} ORDER BY priority DESC, created_at, id LIMIT ?2"
         );
         let mut stmt = self.conn.prepare_cached(&sql)?;
@@ -161,18 +162,23 @@ impl Tx<'_> {
         assignees: &[String],
         limit: u32,
     ) -> Result<Vec<Task>> {
-        if assignees.is_empty() {
-            return Ok(Vec::new());
-        }
-        let names = serde_json::Value::from(assignees.to_vec()).to_string();
         let sql = format!(
-            "SELECT {TASK_COLS} FROM tasks WHERE status = 'ready' AND not_before <= ?1 \
-             AND assignee IN (SELECT value FROM json_each(?3)) {NO_LIVE_PREVIOUS_WORKER} \
-             ORDER BY priority DESC, created_at, id LIMIT ?2"
+            "SELECT {TASK_COLS} FROM tasks INDEXED BY tasks_ready_assignee \
+             WHERE status = 'ready' AND assignee = ?3 AND not_before <= ?1 \
+             {NO_LIVE_PREVIOUS_WORKER} ORDER BY priority DESC, created_at, id LIMIT ?2"
         );
         let mut stmt = self.conn.prepare_cached(&sql)?;
-        let rows = stmt.query_map(params![now, limit, names], rows::task)?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+        let mut out = Vec::new();
+        // One range scan per assignee (stopping at LIMIT), merged back into claim order.
+        for name in assignees {
+            let rows = stmt.query_map(params![now, limit, name], rows::task)?;
+            for row in rows {
+                out.push(row?);
+            }
+        }
+        out.sort_by_key(|t| (std::cmp::Reverse(t.priority), t.created_at, t.id));
+        out.truncate(limit as usize);
+        Ok(out)
     }
 
     /// The earliest `not_before` among ready tasks still backing off, if any (so the dispatcher

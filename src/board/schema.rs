@@ -93,6 +93,13 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX comments_task ON task_comments(task_id, id);
     "#,
+    // v2: the dispatcher reads candidates per assignee, in claim order, a few rows at a time;
+    // this index makes that a range scan that stops at LIMIT instead of a sort of every ready
+    // task.
+    r#"
+    CREATE INDEX tasks_ready_assignee ON tasks(assignee, priority DESC, created_at, id)
+        WHERE status = 'ready';
+    "#,
 ];
 
 /// The schema version this build writes.

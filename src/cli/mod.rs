@@ -1,31 +1,56 @@
-//! The `runwarden` command line: argument parsing and one function per command. Thin: every
-//! command calls the library (or, for commands on a running supervisor, the control client).
+//! The `runwarden` command line: argument parsing and one function per command. Thin: `serve`
+//! calls the library; every other command talks to the running supervisor through the control
+//! [`Client`].
+//!
+//! Layout: this file holds the arguments, the dispatch and the connection helpers; `serve` runs
+//! the supervisor; `tasks` the task commands (add, ls, show, runs, unblock, archive, reclaim,
+//! link, comment); `worker` the commands a worker runs on its own run (complete, block,
+//! heartbeat); `watch` the commands that follow things (events, logs, wait); `admin` status,
+//! reap, shutdown and completions; `output` tables, times, colour and JSON.
 
+mod admin;
+mod output;
 mod serve;
+mod tasks;
+mod watch;
+mod worker;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::board::TaskId;
 use crate::config::Config;
+use crate::control::client::{Client, ClientError};
 
 /// Exit code for refused operations and runtime failures.
 pub const EXIT_FAILURE: u8 = 1;
 /// Exit code for usage and configuration mistakes.
 pub const EXIT_USAGE: u8 = 2;
+/// Exit code of `wait` when its timeout passes first.
+pub const EXIT_TIMEOUT: u8 = 124;
+
+/// The environment variable a worker finds its supervisor's socket in.
+pub const SOCKET_ENV: &str = "RUNWARDEN_SOCKET";
 
 /// runwarden: supervise agent workers for a task board.
 #[derive(Debug, Parser)]
-#[command(name = "runwarden", version, about)]
+#[command(
+    name = "runwarden",
+    version,
+    about,
+    after_help = "The control socket is --socket, else the config's (--config), else $RUNWARDEN_SOCKET \
+                  (set inside workers), else the one of $RUNWARDEN_CONFIG or ./config.toml."
+)]
 pub struct Cli {
     /// Config file (default: $RUNWARDEN_CONFIG, else ./config.toml).
     #[arg(long, global = true, value_name = "PATH")]
     pub config: Option<PathBuf>,
-    /// Control socket (default: from the config).
+    /// Control socket (default: from the config, or $RUNWARDEN_SOCKET inside a worker).
     #[arg(long, global = true, value_name = "PATH")]
     pub socket: Option<PathBuf>,
-    /// Machine-readable JSON output.
+    /// Machine-readable JSON output (stable snake_case field names).
     #[arg(long, global = true)]
     pub json: bool,
     #[command(subcommand)]
@@ -35,13 +60,91 @@ pub struct Cli {
 /// The commands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the supervisor in the foreground until SIGTERM/SIGINT.
+    /// Run the supervisor in the foreground until SIGTERM/SIGINT or `runwarden shutdown`.
     Serve,
+    /// Add a task; prints its id.
+    Add(tasks::AddArgs),
+    /// List tasks, newest first.
+    Ls(tasks::LsArgs),
+    /// Show a task: its state, runs, recent events and comments.
+    Show {
+        /// The task.
+        id: TaskId,
+        /// How many recent events to show.
+        #[arg(long, default_value_t = 20)]
+        events: u32,
+    },
+    /// List a task's runs (attempts).
+    Runs {
+        /// The task.
+        id: TaskId,
+    },
+    /// Print the event log, or one task's; --follow keeps printing events as they commit.
+    Events(watch::EventsArgs),
+    /// Print a task's log file; --follow keeps printing as it grows.
+    Logs(watch::LogsArgs),
+    /// Mark a task done. Inside a worker, ID defaults to the worker's own task.
+    Complete(worker::CompleteArgs),
+    /// Block a task: `block ID REASON`, or `block REASON` inside a worker.
+    #[command(override_usage = "runwarden block [ID] REASON [--force]")]
+    Block(worker::BlockArgs),
+    /// Return a blocked task to ready (its failure count reset).
+    Unblock {
+        /// The task.
+        id: TaskId,
+    },
+    /// Archive a task; a running task's worker is ended.
+    Archive {
+        /// The task.
+        id: TaskId,
+    },
+    /// Release a running task back to ready; its worker is ended.
+    Reclaim {
+        /// The task.
+        id: TaskId,
+        /// Recorded on the run.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Make CHILD wait until PARENT is done.
+    Link {
+        /// The task to wait for.
+        parent: TaskId,
+        /// The task that waits.
+        child: TaskId,
+    },
+    /// Comment on a task.
+    Comment {
+        /// The task.
+        id: TaskId,
+        /// The comment.
+        text: String,
+        /// Author shown with the comment (default: your user name).
+        #[arg(long)]
+        author: Option<String>,
+    },
+    /// Inside a worker: report that the run is alive (refreshes its heartbeat and lease).
+    Heartbeat(worker::HeartbeatArgs),
+    /// Show the supervisor's state: pid, uptime, live workers, tasks per status.
+    Status,
+    /// Wait for tasks: exit 0 once all are done, 1 as soon as one ends blocked or archived,
+    /// 124 on timeout.
+    Wait(watch::WaitArgs),
+    /// Run the terminal-worker reaper's sweep now.
+    Reap,
+    /// Ask the supervisor to stop gracefully.
+    Shutdown,
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// A CLI failure: a one-line message and the exit code.
 #[derive(Debug)]
 pub struct CliError {
+    /// What went wrong; empty for a quiet exit (e.g. stdout closed).
     pub message: String,
     pub code: u8,
 }
@@ -62,6 +165,20 @@ impl CliError {
             code: EXIT_USAGE,
         }
     }
+
+    /// An exit with nothing more to say (stdout was closed by the reader).
+    pub fn quiet() -> Self {
+        CliError {
+            message: String::new(),
+            code: EXIT_FAILURE,
+        }
+    }
+}
+
+impl From<ClientError> for CliError {
+    fn from(e: ClientError) -> Self {
+        CliError::failure(e.to_string())
+    }
 }
 
 /// Loads the config the global flags name.
@@ -75,15 +192,68 @@ pub fn load_config(cli: &Cli) -> Result<Config, CliError> {
     Ok(config)
 }
 
+/// The control socket to use: `--socket`, else the `--config` file's, else
+/// `$RUNWARDEN_SOCKET` (a worker: it need not be able to read the config), else the socket of
+/// `$RUNWARDEN_CONFIG` or `./config.toml`.
+pub fn socket_path(cli: &Cli) -> Result<PathBuf, CliError> {
+    if let Some(socket) = &cli.socket {
+        return Ok(socket.clone());
+    }
+    if cli.config.is_none()
+        && let Some(socket) = std::env::var_os(SOCKET_ENV).filter(|s| !s.is_empty())
+    {
+        return Ok(PathBuf::from(socket));
+    }
+    let config = load_config(cli).map_err(|e| {
+        CliError::usage(format!(
+            "{} (to reach a supervisor without its config, pass --socket PATH)",
+            e.message
+        ))
+    })?;
+    Ok(config.socket_path())
+}
+
+/// Connects to the supervisor and says hello.
+pub fn connect(cli: &Cli) -> Result<Client, CliError> {
+    let path = socket_path(cli)?;
+    let mut client = Client::connect(&path)?;
+    client.hello()?;
+    Ok(client)
+}
+
 /// Runs the parsed command line.
 pub fn run(cli: Cli) -> ExitCode {
+    let out = output::Out::new(cli.json);
     let result = match &cli.command {
         Command::Serve => serve::serve(&cli),
+        Command::Add(args) => tasks::add(&cli, out, args),
+        Command::Ls(args) => tasks::ls(&cli, out, args),
+        Command::Show { id, events } => tasks::show(&cli, out, *id, *events),
+        Command::Runs { id } => tasks::runs(&cli, out, *id),
+        Command::Events(args) => watch::events(&cli, out, args),
+        Command::Logs(args) => watch::logs(&cli, out, args),
+        Command::Complete(args) => worker::complete(&cli, out, args),
+        Command::Block(args) => worker::block(&cli, out, args),
+        Command::Unblock { id } => tasks::unblock(&cli, out, *id),
+        Command::Archive { id } => tasks::archive(&cli, out, *id),
+        Command::Reclaim { id, reason } => tasks::reclaim(&cli, out, *id, reason.clone()),
+        Command::Link { parent, child } => tasks::link(&cli, out, *parent, *child),
+        Command::Comment { id, text, author } => {
+            tasks::comment(&cli, out, *id, text, author.clone())
+        }
+        Command::Heartbeat(args) => worker::heartbeat(&cli, out, args),
+        Command::Status => admin::status(&cli, out),
+        Command::Wait(args) => watch::wait(&cli, out, args),
+        Command::Reap => admin::reap(&cli, out),
+        Command::Shutdown => admin::shutdown(&cli, out),
+        Command::Completions { shell } => admin::completions(*shell),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("runwarden: {}", e.message);
+            if !e.message.is_empty() {
+                eprintln!("runwarden: {}", e.message);
+            }
             ExitCode::from(e.code)
         }
     }

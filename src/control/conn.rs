@@ -33,7 +33,7 @@ use super::protocol::{
 use super::server::{Peer, Shared};
 
 /// Requests of one connection in flight at once; reading pauses while the window is full.
-const WINDOW: usize = 256;
+const WINDOW: usize = 1024;
 /// Response lines queued for the writer before the reader waits for it.
 const OUT_QUEUE: usize = 1024;
 /// Read buffer size.
@@ -56,7 +56,12 @@ enum LineError {
 
 /// Serves one accepted, authorized connection until it closes. `_permit` is its slot among
 /// `max_connections`; dropping it (on return) frees the slot.
-pub(super) async fn serve(stream: UnixStream, shared: Rc<Shared>, peer: Peer, _permit: OwnedSemaphorePermit) {
+pub(super) async fn serve(
+    stream: UnixStream,
+    shared: Rc<Shared>,
+    peer: Peer,
+    _permit: OwnedSemaphorePermit,
+) {
     let (rd, wr) = stream.into_split();
     let (out, out_rx) = mpsc::channel::<Vec<u8>>(OUT_QUEUE);
     let writer = actix_rt::spawn(write_lines(wr, out_rx, shared.idle_timeout));
@@ -202,12 +207,16 @@ fn say_hello(session: &mut Session, id: RequestId, version: &str) -> Response {
         Some(major) => Response::error(
             Some(id),
             code::UNSUPPORTED_VERSION,
-            format!("protocol version {version} (major {major}) is not supported; this server speaks {PROTOCOL_VERSION}"),
+            format!(
+                "protocol version {version} (major {major}) is not supported; this server speaks {PROTOCOL_VERSION}"
+            ),
         ),
         None => Response::error(
             Some(id),
             code::BAD_REQUEST,
-            format!("field `version`: expected \"MAJOR.MINOR\" such as \"{PROTOCOL_VERSION}\", got {version:?}"),
+            format!(
+                "field `version`: expected \"MAJOR.MINOR\" such as \"{PROTOCOL_VERSION}\", got {version:?}"
+            ),
         ),
     }
 }

@@ -15,9 +15,9 @@ use tokio::sync::mpsc;
 use super::conn::Session;
 use super::follow;
 use super::protocol::{
-    Block, CommentReply, CommentReq, Complete, EventsReply, Events, HeartbeatReply, LinkReply, LiveWorker,
-    ReapReply, Reclaim, Request, RequestId, Response, ShutdownReply, StatusReply, TaskReply, TasksReply,
-    PROTOCOL_VERSION, code,
+    Block, CommentReply, CommentReq, Complete, Events, EventsReply, HeartbeatReply, LinkReply,
+    LiveWorker, PROTOCOL_VERSION, ReapReply, Reclaim, Request, RequestId, Response, ShutdownReply,
+    StatusReply, TaskReply, TasksReply, code,
 };
 use super::server::Shared;
 use crate::actors::reaper::SweepNow;
@@ -87,14 +87,29 @@ fn ready(line: Vec<u8>) -> LocalBoxFuture<'static, Outcome> {
 }
 
 /// Starts request `req` (hello is handled by the connection itself).
-pub(super) fn start(shared: &Rc<Shared>, session: &Session, id: RequestId, req: Request) -> LocalBoxFuture<'static, Outcome> {
+pub(super) fn start(
+    shared: &Rc<Shared>,
+    session: &Session,
+    id: RequestId,
+    req: Request,
+) -> LocalBoxFuture<'static, Outcome> {
     let id = Some(id);
     match req {
-        Request::Hello(_) => ready(respond::<()>(id, Err(OpError::bad_request("hello is answered by the connection")))),
+        Request::Hello(_) => ready(respond::<()>(
+            id,
+            Err(OpError::bad_request("hello is answered by the connection")),
+        )),
         Request::AddTask(new) => write(shared, id, move |tx, now| tx.create_task(&new, now)),
-        Request::ListTasks(filter) => read(shared, id, move |tx| Ok(TasksReply { tasks: tx.list_tasks(&filter)? })),
+        Request::ListTasks(filter) => read(shared, id, move |tx| {
+            Ok(TasksReply {
+                tasks: tx.list_tasks(&filter)?,
+            })
+        }),
         Request::ShowTask(s) => read(shared, id, move |tx| {
-            tx.task_detail(s.task, s.events.unwrap_or(DEFAULT_SHOW_EVENTS).min(MAX_PAGE))
+            tx.task_detail(
+                s.task,
+                s.events.unwrap_or(DEFAULT_SHOW_EVENTS).min(MAX_PAGE),
+            )
         }),
         Request::Complete(c) => complete(shared, id, c),
         Request::Block(b) => block(shared, id, b),
@@ -157,7 +172,8 @@ where
     // retries it later in no particular order, while a fresh sender always enqueues at once.
     // So each write reaches the store when it is first polled, i.e. in arrival order.
     let store = shared.services.store.clone();
-    async move { Outcome::Line(respond(id, store.with_tx(f).await.map_err(OpError::from))) }.boxed_local()
+    async move { Outcome::Line(respond(id, store.with_tx(f).await.map_err(OpError::from))) }
+        .boxed_local()
 }
 
 /// A read on the read-only connection.
@@ -167,40 +183,51 @@ where
     F: FnOnce(&Tx<'_>) -> board::Result<T> + Send + 'static,
 {
     let store = shared.services.store.clone();
-    async move { Outcome::Line(respond(id, store.read(f).await.map_err(OpError::from))) }.boxed_local()
+    async move { Outcome::Line(respond(id, store.read(f).await.map_err(OpError::from))) }
+        .boxed_local()
 }
 
 fn task_reply(tx: &Tx<'_>, task: TaskId) -> board::Result<TaskReply> {
-    Ok(TaskReply { task: tx.get_task(task)? })
+    Ok(TaskReply {
+        task: tx.get_task(task)?,
+    })
 }
 
 /// Who may act on a task's run: its worker (run + token), or an operator (neither).
-enum Actor {
+enum Caller {
     Worker { run: board::RunId, token: String },
     Operator { force: bool },
 }
 
-fn actor(run: Option<board::RunId>, token: Option<String>, force: bool) -> Result<Actor, OpError> {
+fn caller(
+    run: Option<board::RunId>,
+    token: Option<String>,
+    force: bool,
+) -> Result<Caller, OpError> {
     match (run, token) {
-        (Some(run), Some(token)) => Ok(Actor::Worker { run, token }),
-        (None, None) => Ok(Actor::Operator { force }),
-        (Some(_), None) => Err(OpError::bad_request("field `run` needs `token` (a worker's own run)")),
-        (None, Some(_)) => Err(OpError::bad_request("field `token` needs `run` (a worker's own run)")),
+        (Some(run), Some(token)) => Ok(Caller::Worker { run, token }),
+        (None, None) => Ok(Caller::Operator { force }),
+        (Some(_), None) => Err(OpError::bad_request(
+            "field `run` needs `token` (a worker's own run)",
+        )),
+        (None, Some(_)) => Err(OpError::bad_request(
+            "field `token` needs `run` (a worker's own run)",
+        )),
     }
 }
 
-impl Actor {
+impl Caller {
     /// Checks, inside the transition's transaction, that this actor may close the task's run.
     /// Returns the run the transition must expect (a worker's own).
-    fn check(&self, tx: &Tx<'_>, task: TaskId, claimer: &str) -> board::Result<Option<board::RunId>> {
+    fn check(&self, tx: &Tx<'_>, task: TaskId) -> board::Result<Option<board::RunId>> {
         match self {
-            Actor::Worker { run, token } => {
+            Caller::Worker { run, token } => {
                 tx.authorize_run(task, *run, token)?;
                 Ok(Some(*run))
             }
-            Actor::Operator { force: true } => Ok(None),
-            Actor::Operator { force: false } => {
-                ensure_worker_gone(tx, task, claimer)?;
+            Caller::Operator { force: true } => Ok(None),
+            Caller::Operator { force: false } => {
+                ensure_worker_gone(tx, task)?;
                 Ok(None)
             }
         }
@@ -209,17 +236,19 @@ impl Actor {
 
 /// Refuses (conflict) while the task's current run may still have a live worker: an operator
 /// must not close a run under a worker that is still working on it, unless forced.
-fn ensure_worker_gone(tx: &Tx<'_>, task_id: TaskId, claimer: &str) -> board::Result<()> {
+fn ensure_worker_gone(tx: &Tx<'_>, task_id: TaskId) -> board::Result<()> {
     let task = tx.get_task(task_id)?;
     let (TaskStatus::Running, Some(run_id)) = (task.status, task.current_run_id) else {
         return Ok(());
     };
     let run = tx.get_run(run_id)?;
-    let why = match worker_state(&run, claimer) {
+    let why = match worker_state(&run) {
         WorkerState::Gone => return Ok(()),
         WorkerState::Alive(pid) => format!("its worker (pid {pid}, run {run_id}) is alive"),
         WorkerState::Starting => format!("its worker (run {run_id}) is being started"),
-        WorkerState::Unknown(reason) => format!("cannot tell whether its worker (run {run_id}) is alive: {reason}"),
+        WorkerState::Unknown(reason) => {
+            format!("cannot tell whether its worker (run {run_id}) is alive: {reason}")
+        }
     };
     Err(BoardError::Conflict(format!(
         "task {task_id} is running and {why}; let the worker report, or use force (--force)"
@@ -234,7 +263,7 @@ enum WorkerState {
 }
 
 /// What the run's evidence says about its worker. Dead only with proof, like the reaper.
-fn worker_state(run: &Run, claimer: &str) -> WorkerState {
+fn worker_state(run: &Run) -> WorkerState {
     match (run.worker_pid, run.fingerprint()) {
         (Some(pid), Some(fp)) => match i32::try_from(pid) {
             Ok(p) => match process::liveness(p, &fp) {
@@ -245,21 +274,25 @@ fn worker_state(run: &Run, claimer: &str) -> WorkerState {
             Err(_) => WorkerState::Unknown(format!("recorded pid {pid} is out of range")),
         },
         (Some(_), None) => WorkerState::Unknown("no spawn fingerprint was recorded".into()),
-        // Claimed by this supervisor and no pid recorded yet: the spawn is under way.
-        (None, _) if run.spawned_pid.is_none() && run.claimer == claimer => WorkerState::Starting,
-        // The worker exited (its evidence was cleared), or a previous incarnation never spawned it.
+        // An open run with no pid yet: its spawn is under way (a run a previous incarnation
+        // never spawned looks the same until the dispatcher takes it over; refusing it is safe).
+        (None, _) if run.spawned_pid.is_none() => WorkerState::Starting,
+        // The worker exited and its evidence was cleared.
         (None, _) => WorkerState::Gone,
     }
 }
 
-fn complete(shared: &Rc<Shared>, id: Option<RequestId>, c: Complete) -> LocalBoxFuture<'static, Outcome> {
-    let who = match actor(c.run, c.token, c.force) {
+fn complete(
+    shared: &Rc<Shared>,
+    id: Option<RequestId>,
+    c: Complete,
+) -> LocalBoxFuture<'static, Outcome> {
+    let who = match caller(c.run, c.token, c.force) {
         Ok(who) => who,
         Err(e) => return ready(respond::<()>(id, Err(e))),
     };
-    let claimer = shared.claimer.clone();
     write(shared, id, move |tx, now| {
-        let expected = who.check(tx, c.task, &claimer)?;
+        let expected = who.check(tx, c.task)?;
         tx.complete_task(c.task, expected, c.result.as_deref(), now)?;
         task_reply(tx, c.task)
     })
@@ -267,21 +300,28 @@ fn complete(shared: &Rc<Shared>, id: Option<RequestId>, c: Complete) -> LocalBox
 
 fn block(shared: &Rc<Shared>, id: Option<RequestId>, b: Block) -> LocalBoxFuture<'static, Outcome> {
     if b.reason.trim().is_empty() {
-        return ready(respond::<()>(id, Err(OpError::bad_request("field `reason` must not be empty"))));
+        return ready(respond::<()>(
+            id,
+            Err(OpError::bad_request("field `reason` must not be empty")),
+        ));
     }
-    let who = match actor(b.run, b.token, b.force) {
+    let who = match caller(b.run, b.token, b.force) {
         Ok(who) => who,
         Err(e) => return ready(respond::<()>(id, Err(e))),
     };
-    let claimer = shared.claimer.clone();
     write(shared, id, move |tx, now| {
-        let expected = who.check(tx, b.task, &claimer)?;
+        let expected = who.check(tx, b.task)?;
         tx.block_task(b.task, expected, &b.reason, now)?;
         task_reply(tx, b.task)
     })
 }
 
-fn reclaim(shared: &Rc<Shared>, session: &Session, id: Option<RequestId>, r: Reclaim) -> LocalBoxFuture<'static, Outcome> {
+fn reclaim(
+    shared: &Rc<Shared>,
+    session: &Session,
+    id: Option<RequestId>,
+    r: Reclaim,
+) -> LocalBoxFuture<'static, Outcome> {
     let reason = r
         .reason
         .unwrap_or_else(|| format!("reclaimed by an operator (uid {})", session.peer.uid));
@@ -291,7 +331,12 @@ fn reclaim(shared: &Rc<Shared>, session: &Session, id: Option<RequestId>, r: Rec
     })
 }
 
-fn comment(shared: &Rc<Shared>, session: &Session, id: Option<RequestId>, c: CommentReq) -> LocalBoxFuture<'static, Outcome> {
+fn comment(
+    shared: &Rc<Shared>,
+    session: &Session,
+    id: Option<RequestId>,
+    c: CommentReq,
+) -> LocalBoxFuture<'static, Outcome> {
     let author = c.author.unwrap_or_else(|| user_name(session.peer.uid));
     write(shared, id, move |tx, now| {
         Ok(CommentReply {
@@ -308,7 +353,11 @@ fn user_name(uid: u32) -> String {
     }
 }
 
-fn events_page(shared: &Rc<Shared>, id: Option<RequestId>, e: Events) -> LocalBoxFuture<'static, Outcome> {
+fn events_page(
+    shared: &Rc<Shared>,
+    id: Option<RequestId>,
+    e: Events,
+) -> LocalBoxFuture<'static, Outcome> {
     let limit = e.limit.unwrap_or(DEFAULT_EVENTS_PAGE).clamp(1, MAX_PAGE);
     read(shared, id, move |tx| {
         if let Some(task) = e.task {
@@ -349,7 +398,11 @@ fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static,
                 socket,
                 live_workers: live
                     .into_iter()
-                    .map(|(run_id, task_id, pid)| LiveWorker { run_id, task_id, pid })
+                    .map(|(run_id, task_id, pid)| LiveWorker {
+                        run_id,
+                        task_id,
+                        pid,
+                    })
                     .collect(),
                 counts,
                 last_event_id,

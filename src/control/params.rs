@@ -63,7 +63,10 @@ struct FieldAccess {
 impl<'de> MapAccess<'de> for FieldAccess {
     type Error = ParamError;
 
-    fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, ParamError> {
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, ParamError> {
         let Some((key, value)) = self.iter.next() else {
             return Ok(None);
         };
@@ -72,7 +75,10 @@ impl<'de> MapAccess<'de> for FieldAccess {
         Ok(Some(decoded))
     }
 
-    fn next_value_seed<V: DeserializeSeed<'de>>(&mut self, seed: V) -> Result<V::Value, ParamError> {
+    fn next_value_seed<V: DeserializeSeed<'de>>(
+        &mut self,
+        seed: V,
+    ) -> Result<V::Value, ParamError> {
         let (key, value) = self
             .value
             .take()
@@ -111,7 +117,10 @@ mod tests {
     #[test]
     fn names_the_field_with_the_wrong_type() {
         let err = decode(json!({"task": "seven"})).unwrap_err();
-        assert!(err.0.starts_with("field `task`: invalid type: string"), "{err}");
+        assert!(
+            err.0.starts_with("field `task`: invalid type: string"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -126,7 +135,10 @@ mod tests {
     fn decodes_optional_and_null_fields() {
         assert_eq!(
             decode(json!({"task": 3, "note": null})).unwrap(),
-            Sample { task: 3, note: None }
+            Sample {
+                task: 3,
+                note: None
+            }
         );
         assert_eq!(
             decode(json!({"task": 3, "note": "hi"})).unwrap(),

@@ -183,7 +183,9 @@ impl<'de> Deserialize<'de> for Request {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Hello {
+    /// The client's protocol version, `"MAJOR.MINOR"`.
     pub version: String,
+    /// The client's name, for the logs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client: Option<String>,
 }
@@ -197,6 +199,7 @@ pub struct Empty {}
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TaskRef {
+    /// The task.
     pub task: TaskId,
 }
 
@@ -204,7 +207,9 @@ pub struct TaskRef {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShowTask {
+    /// The task.
     pub task: TaskId,
+    /// How many of its most recent events to include (default 50).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub events: Option<u32>,
 }
@@ -214,13 +219,18 @@ pub struct ShowTask {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Complete {
+    /// The task.
     pub task: TaskId,
+    /// A worker's own run (with `token`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<RunId>,
+    /// The run's token (`RUNWARDEN_RUN_TOKEN`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// The result to record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<String>,
+    /// An operator's override: close the run even if its worker may be alive.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub force: bool,
 }
@@ -229,12 +239,17 @@ pub struct Complete {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Block {
+    /// The task.
     pub task: TaskId,
+    /// A worker's own run (with `token`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<RunId>,
+    /// The run's token (`RUNWARDEN_RUN_TOKEN`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// Why; shown to whoever unblocks it. Must not be empty.
     pub reason: String,
+    /// An operator's override: close the run even if its worker may be alive.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub force: bool,
 }
@@ -243,7 +258,9 @@ pub struct Block {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Reclaim {
+    /// The task.
     pub task: TaskId,
+    /// Recorded on the closed run (default: who reclaimed it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
 }
@@ -252,7 +269,9 @@ pub struct Reclaim {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Link {
+    /// The task to wait for.
     pub parent: TaskId,
+    /// The task that waits.
     pub child: TaskId,
 }
 
@@ -260,8 +279,11 @@ pub struct Link {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CommentReq {
+    /// The task.
     pub task: TaskId,
+    /// The comment.
     pub body: String,
+    /// Shown with the comment (default: the peer's user name).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub author: Option<String>,
 }
@@ -270,9 +292,13 @@ pub struct CommentReq {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Heartbeat {
+    /// The worker's task.
     pub task: TaskId,
+    /// The worker's run.
     pub run: RunId,
+    /// The run's token.
     pub token: String,
+    /// A progress note, recorded in the event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
@@ -282,12 +308,16 @@ pub struct Heartbeat {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Events {
+    /// Only events with a greater id (0: from the start).
     #[serde(default)]
     pub since: EventId,
+    /// Only this task's events.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task: Option<TaskId>,
+    /// Page size without `follow` (default 1000, at most 10000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<u32>,
+    /// Keep streaming events as they commit.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub follow: bool,
 }
@@ -305,9 +335,15 @@ pub struct ErrorBody {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Response {
     /// `{"id":1,"ok":true,"result":{…}}`: the request succeeded; its effect is committed.
-    Ok { id: Option<RequestId>, result: Value },
+    Ok {
+        id: Option<RequestId>,
+        result: Value,
+    },
     /// `{"id":1,"ok":false,"error":{"code":"…","message":"…"}}`: the request was refused.
-    Err { id: Option<RequestId>, error: ErrorBody },
+    Err {
+        id: Option<RequestId>,
+        error: ErrorBody,
+    },
     /// `{"id":1,"event":{…}}`: one event of the followed `events` request `id`.
     Event { id: Option<RequestId>, event: Event },
 }
@@ -316,7 +352,9 @@ impl Response {
     /// The id of the request this line answers.
     pub fn id(&self) -> Option<&RequestId> {
         match self {
-            Response::Ok { id, .. } | Response::Err { id, .. } | Response::Event { id, .. } => id.as_ref(),
+            Response::Ok { id, .. } | Response::Err { id, .. } | Response::Event { id, .. } => {
+                id.as_ref()
+            }
         }
     }
 
@@ -335,8 +373,12 @@ impl Response {
     pub fn to_line(&self) -> Vec<u8> {
         let mut line = serde_json::to_vec(self).unwrap_or_else(|e| {
             // Only a non-string map key could fail here; answer with a refusal instead of panicking.
-            serde_json::to_vec(&Response::error(self.id().cloned(), code::INTERNAL, format!("cannot encode response: {e}")))
-                .unwrap_or_default()
+            serde_json::to_vec(&Response::error(
+                self.id().cloned(),
+                code::INTERNAL,
+                format!("cannot encode response: {e}"),
+            ))
+            .unwrap_or_default()
         });
         line.push(b'\n');
         line
@@ -398,7 +440,9 @@ impl<'de> Deserialize<'de> for Response {
 /// `bad_request` (and the id, when it could be read); the connection goes on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParseError {
+    /// The request's id, when it could be read.
     pub id: Option<RequestId>,
+    /// What was wrong.
     pub message: String,
 }
 
@@ -408,25 +452,40 @@ pub fn parse_request(line: &[u8]) -> Result<(RequestId, Request), ParseError> {
     let text = std::str::from_utf8(line).map_err(|e| {
         fail(
             None,
-            format!("request is not valid UTF-8 (invalid byte at offset {})", e.valid_up_to()),
+            format!(
+                "request is not valid UTF-8 (invalid byte at offset {})",
+                e.valid_up_to()
+            ),
         )
     })?;
-    let value: Value = serde_json::from_str(text).map_err(|e| fail(None, format!("malformed JSON: {e}")))?;
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| fail(None, format!("malformed JSON: {e}")))?;
     let Value::Object(mut fields) = value else {
-        return Err(fail(None, format!("a request must be a JSON object, not {}", kind_of(&value))));
+        return Err(fail(
+            None,
+            format!("a request must be a JSON object, not {}", kind_of(&value)),
+        ));
     };
     let id = match fields.remove("id") {
         None | Some(Value::Null) => return Err(fail(None, "missing field `id`".into())),
         Some(v) => serde_json::from_value::<RequestId>(v.clone()).map_err(|_| {
             fail(
                 None,
-                format!("field `id` must be a non-negative integer or a string, not {}", kind_of(&v)),
+                format!(
+                    "field `id` must be a non-negative integer or a string, not {}",
+                    kind_of(&v)
+                ),
             )
         })?,
     };
     let op = match fields.remove("op") {
         Some(Value::String(op)) => op,
-        Some(v) => return Err(fail(Some(id), format!("field `op` must be a string, not {}", kind_of(&v)))),
+        Some(v) => {
+            return Err(fail(
+                Some(id),
+                format!("field `op` must be a string, not {}", kind_of(&v)),
+            ));
+        }
         None => return Err(fail(Some(id), "missing field `op`".into())),
     };
     match Request::from_fields(&op, fields) {
@@ -466,25 +525,30 @@ pub struct HelloReply {
 /// `list_tasks`: matching tasks, newest first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TasksReply {
+    /// The tasks.
     pub tasks: Vec<Task>,
 }
 
 /// A transition succeeded; the task as it is after it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TaskReply {
+    /// The task after the transition.
     pub task: Task,
 }
 
 /// `link` succeeded (or the link already existed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LinkReply {
+    /// The task waited for.
     pub parent: TaskId,
+    /// The task that waits.
     pub child: TaskId,
 }
 
 /// `comment` succeeded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommentReply {
+    /// The new comment's id.
     pub comment_id: i64,
 }
 
@@ -498,6 +562,7 @@ pub struct HeartbeatReply {
 /// `events` without `follow`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EventsReply {
+    /// The events, in id order.
     pub events: Vec<Event>,
     /// The id to pass as `since` for the next page: the last event's id, or `since` if none.
     pub last_id: EventId,
@@ -508,14 +573,18 @@ pub struct EventsReply {
 /// `events` with `follow`: the stream has started; event lines follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FollowReply {
+    /// Always true.
     pub following: bool,
+    /// Events after this id follow.
     pub since: EventId,
 }
 
 /// One live worker of this incarnation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LiveWorker {
+    /// The run.
     pub run_id: RunId,
+    /// Its task.
     pub task_id: TaskId,
     /// None while the process is being started.
     pub pid: Option<i32>,
@@ -524,18 +593,26 @@ pub struct LiveWorker {
 /// `status`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatusReply {
+    /// The supervisor's pid.
     pub pid: u32,
+    /// runwarden's version.
     pub version: String,
+    /// The protocol version served.
     pub protocol: String,
     /// When this supervisor started (ms since the epoch).
     pub started_at: Millis,
     pub uptime_ms: u64,
+    /// The data directory.
     pub data_dir: PathBuf,
+    /// Where the workers' logs are (`<data_dir>/logs`).
     pub logs_dir: PathBuf,
+    /// The control socket.
     pub socket: PathBuf,
+    /// Workers of this incarnation.
     pub live_workers: Vec<LiveWorker>,
     /// Tasks per status; every status is present.
     pub counts: BTreeMap<String, i64>,
+    /// The newest event's id.
     pub last_event_id: EventId,
 }
 
@@ -596,12 +673,20 @@ mod tests {
         assert!(err(br#"{"op":"status"}"#).message.contains("`id`"));
         let e = err(br#"{"id":4,"op":"frobnicate"}"#);
         assert_eq!(e.id, Some(RequestId::Num(4)));
-        assert!(e.message.contains("unknown op `frobnicate`"), "{}", e.message);
+        assert!(
+            e.message.contains("unknown op `frobnicate`"),
+            "{}",
+            e.message
+        );
         let e = err(br#"{"id":"x","op":"show_task","task":"seven"}"#);
         assert_eq!(e.id, Some(RequestId::Str("x".into())));
         assert!(e.message.contains("field `task`"), "{}", e.message);
         let e = err(br#"{"id":1,"op":"add_task","title":"a","colour":"red"}"#);
-        assert!(e.message.contains("unknown field `colour`"), "{}", e.message);
+        assert!(
+            e.message.contains("unknown field `colour`"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
@@ -611,7 +696,11 @@ mod tests {
                 id: Some(RequestId::Num(1)),
                 result: json!({"id": 5}),
             },
-            Response::error(Some(RequestId::Str("a".into())), code::NOT_FOUND, "task 5 not found"),
+            Response::error(
+                Some(RequestId::Str("a".into())),
+                code::NOT_FOUND,
+                "task 5 not found",
+            ),
             Response::error(None, code::BAD_REQUEST, "malformed JSON"),
         ] {
             let line = r.to_line();

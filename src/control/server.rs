@@ -18,6 +18,7 @@ use tokio::sync::{Notify, Semaphore, watch};
 
 use super::conn;
 use super::protocol::{Response, code};
+use crate::config::Config;
 use crate::supervisor::Services;
 
 /// Longest socket path the kernel accepts (`sun_path` is 108 bytes with its NUL).
@@ -50,7 +51,7 @@ pub enum ControlError {
     },
 }
 
-fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> ControlError + '_ {
+fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> ControlError + 'a {
     move |source| ControlError::Io {
         action,
         path: path.to_path_buf(),
@@ -64,8 +65,6 @@ pub(super) struct Shared {
     pub socket: PathBuf,
     pub idle_timeout: Duration,
     pub max_request_bytes: usize,
-    /// The dispatcher's claimer name: a run it claimed that has no pid yet is being spawned.
-    pub claimer: String,
     /// Fired by the `shutdown` op; the supervisor's run loop waits on it.
     pub shutdown: Arc<Notify>,
     /// Becomes true when the server stops: connections finish their replies and close.
@@ -77,6 +76,64 @@ pub(super) struct Shared {
 pub(super) struct Peer {
     pub uid: u32,
     pub pid: Option<i32>,
+}
+
+/// A bound control socket, not yet served. Dropping it removes the socket file.
+pub struct BoundSocket {
+    listener: Option<std::os::unix::net::UnixListener>,
+    socket: PathBuf,
+    identity: (u64, u64),
+}
+
+impl BoundSocket {
+    /// Starts serving with `services`. Must be called inside the supervisor's actix system.
+    pub fn serve(mut self, services: Services) -> Result<ControlServer, ControlError> {
+        let socket = self.socket.clone();
+        let listener = self.listener.take().expect("a bound socket is served once");
+        let listener = UnixListener::from_std(listener).map_err(io_err("listen on", &socket))?;
+        let config = services.config.clone();
+        let (stop, stopping) = watch::channel(false);
+        let shutdown = Arc::new(Notify::new());
+        let max_connections = config.control.max_connections.max(1);
+        let connections = Arc::new(Semaphore::new(max_connections as usize));
+        let mut allowed = config.control.allowed_uids.clone();
+        allowed.push(0);
+        allowed.push(nix::unistd::geteuid().as_raw());
+        let shared = Rc::new(Shared {
+            services,
+            socket: socket.clone(),
+            idle_timeout: config.control.idle_timeout,
+            max_request_bytes: usize::try_from(config.control.max_request_bytes)
+                .unwrap_or(usize::MAX),
+            shutdown: shutdown.clone(),
+            stopping: stopping.clone(),
+        });
+        actix_rt::spawn(accept_loop(
+            listener,
+            shared,
+            allowed,
+            connections.clone(),
+            max_connections,
+            stopping,
+        ));
+        tracing::info!(socket = %socket.display(), "control socket listening");
+        // The server owns the file from here on (and removes it when it stops).
+        let identity = std::mem::take(&mut self.identity);
+        Ok(ControlServer {
+            socket,
+            identity,
+            stop,
+            shutdown,
+            connections,
+            max_connections,
+        })
+    }
+}
+
+impl Drop for BoundSocket {
+    fn drop(&mut self) {
+        remove_if_ours(&self.socket, self.identity);
+    }
 }
 
 /// A running control server. Dropping it stops accepting and removes the socket file.
@@ -91,42 +148,21 @@ pub struct ControlServer {
 }
 
 impl ControlServer {
-    /// Binds `services.config.socket_path()` and starts serving. Must be called inside the
-    /// supervisor's actix system. A stale socket (nobody answers) is replaced; a live one, or a
-    /// file that is not a socket, is an error.
-    pub fn start(services: Services) -> Result<ControlServer, ControlError> {
-        let config = services.config.clone();
+    /// Binds `config.socket_path()` (nothing is served yet). A stale socket (nobody answers)
+    /// is replaced; a live one, or a file that is not a socket, is an error. Done before the
+    /// actors start, so a supervisor that cannot serve its socket never starts a worker.
+    pub fn bind(config: &Config) -> Result<BoundSocket, ControlError> {
         let socket = config.socket_path();
-        let listener = bind(&socket, &config.supervisor.data_dir)?;
+        let listener = bind(
+            &socket,
+            &config.supervisor.data_dir,
+            Modes::for_config(config),
+        )?;
         let meta = std::fs::symlink_metadata(&socket).map_err(io_err("stat", &socket))?;
-        let identity = (meta.dev(), meta.ino());
-        let listener = UnixListener::from_std(listener).map_err(io_err("listen on", &socket))?;
-
-        let (stop, stopping) = watch::channel(false);
-        let shutdown = Arc::new(Notify::new());
-        let max_connections = config.control.max_connections.max(1);
-        let connections = Arc::new(Semaphore::new(max_connections as usize));
-        let mut allowed = config.control.allowed_uids.clone();
-        allowed.push(0);
-        allowed.push(nix::unistd::geteuid().as_raw());
-        let shared = Rc::new(Shared {
-            services,
-            socket: socket.clone(),
-            idle_timeout: config.control.idle_timeout,
-            max_request_bytes: usize::try_from(config.control.max_request_bytes).unwrap_or(usize::MAX),
-            claimer: format!("runwarden:{}", std::process::id()),
-            shutdown: shutdown.clone(),
-            stopping: stopping.clone(),
-        });
-        actix_rt::spawn(accept_loop(listener, shared, allowed, connections.clone(), max_connections, stopping));
-        tracing::info!(socket = %socket.display(), "control socket listening");
-        Ok(ControlServer {
+        Ok(BoundSocket {
+            listener: Some(listener),
             socket,
-            identity,
-            stop,
-            shutdown,
-            connections,
-            max_connections,
+            identity: (meta.dev(), meta.ino()),
         })
     }
 
@@ -155,15 +191,7 @@ impl ControlServer {
     }
 
     fn remove_socket(&self) {
-        // Only our own socket: a successor may already have bound the same path.
-        match std::fs::symlink_metadata(&self.socket) {
-            Ok(m) if (m.dev(), m.ino()) == self.identity => {
-                if let Err(e) = std::fs::remove_file(&self.socket) {
-                    tracing::warn!(socket = %self.socket.display(), error = %e, "cannot remove the control socket");
-                }
-            }
-            _ => {}
-        }
+        remove_if_ours(&self.socket, self.identity);
     }
 }
 
@@ -174,8 +202,45 @@ impl Drop for ControlServer {
     }
 }
 
-/// Prepares the directory, clears a stale socket, binds, and sets the socket's mode to 0600.
-fn bind(socket: &Path, data_dir: &Path) -> Result<std::os::unix::net::UnixListener, ControlError> {
+/// The file modes of the socket and of its directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Modes {
+    dir: u32,
+    socket: u32,
+}
+
+impl Modes {
+    /// 0600 in 0700: only our uid (and root) can reach the socket. Two things loosen that:
+    ///
+    /// - an assignee that runs as another user needs to traverse the data dir to reach its
+    ///   working directory (`<data_dir>/work/<id>`): the directory becomes 0711 (traversable,
+    ///   not listable); the socket stays 0600;
+    /// - `allowed_uids` asks for other users to be served: the directory becomes 0711 and the
+    ///   socket 0666, and the peer-uid check (`SO_PEERCRED`) is what refuses everyone else.
+    fn for_config(config: &Config) -> Modes {
+        let me = nix::unistd::geteuid().as_raw();
+        let others_serve = !config.control.allowed_uids.is_empty();
+        let others_work = config
+            .assignees
+            .values()
+            .any(|a| a.uid.is_some_and(|u| u != me));
+        Modes {
+            dir: if others_serve || others_work {
+                0o711
+            } else {
+                0o700
+            },
+            socket: if others_serve { 0o666 } else { 0o600 },
+        }
+    }
+}
+
+/// Prepares the directory, clears a stale socket, binds, and sets the modes.
+fn bind(
+    socket: &Path,
+    data_dir: &Path,
+    modes: Modes,
+) -> Result<std::os::unix::net::UnixListener, ControlError> {
     let len = socket.as_os_str().len();
     if len > MAX_SOCKET_PATH {
         return Err(ControlError::PathTooLong {
@@ -183,34 +248,54 @@ fn bind(socket: &Path, data_dir: &Path) -> Result<std::os::unix::net::UnixListen
             len,
         });
     }
-    let dir = socket.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = socket
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let created = !dir.exists();
     std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
     // The socket's directory is 0700 when it is ours (the data dir, or one we just made), so
     // other users cannot even reach the socket. A directory the admin chose (e.g. /run) is
     // left as it is: the socket's own mode and the peer-uid check still apply.
     if created || same_file(dir, data_dir) {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(modes.dir))
             .map_err(io_err("set the mode of", dir))?;
     }
     match std::fs::symlink_metadata(socket) {
-        Ok(meta) if meta.file_type().is_socket() => match std::os::unix::net::UnixStream::connect(socket) {
-            Ok(_) => return Err(ControlError::AlreadyServing(socket.to_path_buf())),
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                tracing::info!(socket = %socket.display(), "replacing a stale control socket");
-                std::fs::remove_file(socket).map_err(io_err("remove stale socket", socket))?;
+        Ok(meta) if meta.file_type().is_socket() => {
+            match std::os::unix::net::UnixStream::connect(socket) {
+                Ok(_) => return Err(ControlError::AlreadyServing(socket.to_path_buf())),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                    tracing::info!(socket = %socket.display(), "replacing a stale control socket");
+                    std::fs::remove_file(socket).map_err(io_err("remove stale socket", socket))?;
+                }
+                Err(e) => return Err(io_err("check existing socket", socket)(e)),
             }
-            Err(e) => return Err(io_err("check existing socket", socket)(e)),
-        },
+        }
         Ok(_) => return Err(ControlError::NotASocket(socket.to_path_buf())),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_err("stat", socket)(e)),
     }
-    let listener = std::os::unix::net::UnixListener::bind(socket).map_err(io_err("bind", socket))?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+    let listener =
+        std::os::unix::net::UnixListener::bind(socket).map_err(io_err("bind", socket))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(modes.socket))
         .map_err(io_err("set the mode of", socket))?;
-    listener.set_nonblocking(true).map_err(io_err("configure", socket))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(io_err("configure", socket))?;
     Ok(listener)
+}
+
+/// Unlinks `socket` if it is still the file we bound: a successor may have bound the same path.
+fn remove_if_ours(socket: &Path, identity: (u64, u64)) {
+    match std::fs::symlink_metadata(socket) {
+        Ok(m) if (m.dev(), m.ino()) == identity => {
+            if let Err(e) = std::fs::remove_file(socket) {
+                tracing::warn!(socket = %socket.display(), error = %e, "cannot remove the control socket");
+            }
+        }
+        _ => {}
+    }
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {
@@ -248,7 +333,11 @@ async fn accept_loop(
             },
             Err(e) => {
                 tracing::warn!(error = %e, "control: cannot read the peer's credentials; refusing");
-                actix_rt::spawn(refuse(stream, code::UNAUTHORIZED, "cannot read your credentials".into()));
+                actix_rt::spawn(refuse(
+                    stream,
+                    code::UNAUTHORIZED,
+                    "cannot read your credentials".into(),
+                ));
                 continue;
             }
         };
@@ -267,7 +356,8 @@ async fn accept_loop(
             }
             Err(_) => {
                 tracing::debug!(max = max_connections, "control: too many connections");
-                let msg = format!("too many connections (at most {max_connections}); try again later");
+                let msg =
+                    format!("too many connections (at most {max_connections}); try again later");
                 actix_rt::spawn(refuse(stream, code::TOO_MANY_CONNECTIONS, msg));
             }
         }

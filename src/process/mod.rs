@@ -24,8 +24,8 @@
 
 pub mod descendants;
 mod fingerprint;
-pub mod owned;
 mod liveness;
+pub mod owned;
 mod pidfd;
 mod signal;
 mod stat;

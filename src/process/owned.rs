@@ -34,5 +34,8 @@ pub fn unregister(pid: Pid) {
 
 /// True if some owner will reap `pid`.
 pub fn is_registered(pid: Pid) -> bool {
-    set().lock().unwrap_or_else(|p| p.into_inner()).contains(&pid)
+    set()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(&pid)
 }

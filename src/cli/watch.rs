@@ -1,0 +1,323 @@
+//! The commands that watch things change: `events`, `logs`, `wait`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{IsTerminal, Read, Seek, SeekFrom, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+
+use super::output::{Out, clock, line};
+use super::tasks::event_detail;
+use super::{Cli, CliError, EXIT_FAILURE, EXIT_TIMEOUT, connect, load_config};
+use crate::board::{Event, EventId, TaskId, TaskStatus};
+use crate::control::client::ClientError;
+
+/// How often `logs --follow` looks for new output.
+const LOG_POLL: Duration = Duration::from_millis(200);
+
+/// `runwarden events`.
+#[derive(Debug, Args)]
+pub struct EventsArgs {
+    /// Only this task's events.
+    pub id: Option<TaskId>,
+    /// Keep printing events as they commit (with --json: one JSON object per line).
+    #[arg(long, short)]
+    pub follow: bool,
+    /// Start after this event id (default: the beginning).
+    #[arg(long, default_value_t = 0)]
+    pub since: EventId,
+}
+
+/// `runwarden logs`.
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// The task.
+    pub id: TaskId,
+    /// Keep printing as the log grows (like `tail -f`).
+    #[arg(long, short)]
+    pub follow: bool,
+}
+
+/// `runwarden wait`.
+#[derive(Debug, Args)]
+pub struct WaitArgs {
+    /// The tasks to wait for.
+    #[arg(required = true)]
+    pub ids: Vec<TaskId>,
+    /// Give up after this long, e.g. "90s", "10m" (exit 124).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub timeout: Option<Duration>,
+}
+
+/// Prints the event log (`--json`: an array; with `--follow`, one object per line).
+pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
+    let mut client = connect(cli)?;
+    if !args.follow {
+        let events = client.events(args.since, args.id)?;
+        if out.json {
+            return out.json(&events);
+        }
+        for ev in &events {
+            print_event(&out, ev)?;
+        }
+        return Ok(());
+    }
+    for ev in client.follow_events(args.since, args.id)? {
+        let ev = ev?;
+        if out.json {
+            out.json_line(&ev)?;
+        } else {
+            print_event(&out, &ev)?;
+        }
+    }
+    Err(ClientError::Closed.into())
+}
+
+fn print_event(out: &Out, ev: &Event) -> Result<(), CliError> {
+    let task = ev.task_id.map_or("-".into(), |t| t.to_string());
+    let run = ev.run_id.map_or("-".into(), |r| r.to_string());
+    line(&format!(
+        "{:>7}  {}  task {:<6} run {:<6} {:<22} {}",
+        ev.id,
+        clock(ev.at),
+        task,
+        run,
+        out.paint(&ev.kind, kind_colour(&ev.kind)),
+        event_detail(ev)
+    ))
+}
+
+fn kind_colour(kind: &str) -> Option<&'static str> {
+    match kind {
+        "completed" => Some("32"),
+        "blocked" | "gave_up" | "crashed" | "spawn_failed" | "timed_out" => Some("31"),
+        "claimed" | "worker_spawned" => Some("36"),
+        _ => None,
+    }
+}
+
+/// Prints `<data_dir>/logs/<id>.log`, read straight from the file. With `--config` (or the
+/// default config) no supervisor is needed; with only a socket, the supervisor on it is asked
+/// where its logs are.
+pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
+    let _ = out;
+    let by_socket = cli.config.is_none()
+        && (cli.socket.is_some()
+            || std::env::var_os(super::SOCKET_ENV).is_some_and(|s| !s.is_empty()));
+    let logs_dir = if by_socket {
+        // A socket named without a config: the supervisor on it says where its logs are.
+        match connect(cli).and_then(|mut c| Ok(c.status()?)) {
+            Ok(status) => status.logs_dir,
+            Err(e) => load_config(cli).map(|c| c.logs_dir()).map_err(|_| e)?,
+        }
+    } else {
+        load_config(cli)?.logs_dir()
+    };
+    let path = logs_dir.join(format!("{}.log", args.id));
+    if !args.follow {
+        let mut file = File::open(&path).map_err(|e| {
+            CliError::failure(format!(
+                "no log for task {} at {}: {e}",
+                args.id,
+                path.display()
+            ))
+        })?;
+        return copy_to_stdout(&mut file).map(|_| ());
+    }
+    follow_file(&path)
+}
+
+/// Copies what is left of `file` to stdout; returns the number of bytes copied.
+fn copy_to_stdout(file: &mut File) -> Result<u64, CliError> {
+    let mut stdout = std::io::stdout().lock();
+    let mut buf = [0u8; 64 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = file
+            .read(&mut buf)
+            .map_err(|e| CliError::failure(format!("cannot read the log: {e}")))?;
+        if n == 0 {
+            break;
+        }
+        if let Err(e) = stdout.write_all(&buf[..n]) {
+            return Err(if e.kind() == std::io::ErrorKind::BrokenPipe {
+                CliError::quiet()
+            } else {
+                CliError::failure(format!("cannot write to stdout: {e}"))
+            });
+        }
+        total += n as u64;
+    }
+    stdout.flush().map_err(|_| CliError::quiet())?;
+    Ok(total)
+}
+
+/// `tail -f`: prints the file, then polls for growth; starts over when it shrinks (rotation).
+fn follow_file(path: &PathBuf) -> Result<(), CliError> {
+    let mut pos = 0u64;
+    let mut waiting_noted = false;
+    loop {
+        match File::open(path) {
+            Ok(mut file) => {
+                let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+                if len < pos {
+                    eprintln!(
+                        "runwarden: {} was rotated; following from its start",
+                        path.display()
+                    );
+                    pos = 0;
+                }
+                if len > pos {
+                    file.seek(SeekFrom::Start(pos)).map_err(|e| {
+                        CliError::failure(format!("cannot read {}: {e}", path.display()))
+                    })?;
+                    pos += copy_to_stdout(&mut file)?;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if !waiting_noted {
+                    eprintln!("runwarden: waiting for {} to appear", path.display());
+                    waiting_noted = true;
+                }
+            }
+            Err(e) => {
+                return Err(CliError::failure(format!(
+                    "cannot open {}: {e}",
+                    path.display()
+                )));
+            }
+        }
+        std::thread::sleep(LOG_POLL);
+    }
+}
+
+/// How a waited-for task stands.
+fn settled(status: TaskStatus) -> bool {
+    matches!(
+        status,
+        TaskStatus::Done | TaskStatus::Blocked | TaskStatus::Archived
+    )
+}
+
+/// What an event does to a waited-for task's status (only the kinds that settle or reopen it).
+fn status_after(kind: &str) -> Option<TaskStatus> {
+    match kind {
+        "completed" => Some(TaskStatus::Done),
+        "blocked" | "gave_up" => Some(TaskStatus::Blocked),
+        "archived" => Some(TaskStatus::Archived),
+        "unblocked" | "reclaimed" | "retry_scheduled" | "claimed" => Some(TaskStatus::Running),
+        _ => None,
+    }
+}
+
+/// Waits until every task is done (exit 0), one ends blocked or archived (exit 1), or the
+/// timeout passes (exit 124). Follows the event stream; no polling.
+pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
+    let deadline = args.timeout.map(|t| Instant::now() + t);
+    let mut client = connect(cli)?;
+    // The watermark first, then the statuses: whatever settles after the watermark is in the
+    // stream that follows from it, so nothing between the two reads is missed.
+    let since = client.status()?.last_event_id;
+    let mut state: BTreeMap<TaskId, TaskStatus> = BTreeMap::new();
+    for &id in &args.ids {
+        state.insert(id, client.show_task(id, Some(0))?.task.status);
+    }
+    let progress = std::io::stderr().is_terminal() && !out.json;
+    let mut timed_out = false;
+    if !state.values().all(|s| settled(*s)) && !any_failed(&state) {
+        let mut stream = client.follow_events(since, None)?;
+        loop {
+            show_progress(progress, &state);
+            let remaining = match deadline {
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(r) if !r.is_zero() => Some(r),
+                    _ => {
+                        timed_out = true;
+                        break;
+                    }
+                },
+                None => None,
+            };
+            stream.set_timeout(remaining)?;
+            match stream.next() {
+                Some(Ok(ev)) => {
+                    if let (Some(task), Some(status)) = (ev.task_id, status_after(&ev.kind))
+                        && let Some(s) = state.get_mut(&task)
+                    {
+                        *s = status;
+                    }
+                    if state.values().all(|s| settled(*s)) || any_failed(&state) {
+                        break;
+                    }
+                }
+                Some(Err(ClientError::Timeout)) => {
+                    timed_out = true;
+                    break;
+                }
+                Some(Err(e)) => return Err(e.into()),
+                None => return Err(ClientError::Closed.into()),
+            }
+        }
+        if progress {
+            eprint!("\r\x1b[2K");
+        }
+    }
+    report_wait(&out, &state, timed_out)
+}
+
+fn any_failed(state: &BTreeMap<TaskId, TaskStatus>) -> bool {
+    state
+        .values()
+        .any(|s| matches!(s, TaskStatus::Blocked | TaskStatus::Archived))
+}
+
+fn show_progress(on: bool, state: &BTreeMap<TaskId, TaskStatus>) {
+    if on {
+        let done = state.values().filter(|s| **s == TaskStatus::Done).count();
+        eprint!("\r\x1b[2Kwaiting: {done}/{} done", state.len());
+        let _ = std::io::stderr().flush();
+    }
+}
+
+fn report_wait(
+    out: &Out,
+    state: &BTreeMap<TaskId, TaskStatus>,
+    timed_out: bool,
+) -> Result<(), CliError> {
+    if out.json {
+        let tasks: Vec<_> = state
+            .iter()
+            .map(|(id, s)| serde_json::json!({ "id": id, "status": s }))
+            .collect();
+        out.json(&serde_json::json!({ "tasks": tasks, "timed_out": timed_out }))?;
+    } else {
+        for (id, s) in state {
+            let shown = if settled(*s) { s.as_str() } else { "not done" };
+            line(&format!(
+                "task {id}: {}",
+                out.paint(shown, super::output::status_colour(*s))
+            ))?;
+        }
+    }
+    let failed: Vec<String> = state
+        .iter()
+        .filter(|(_, s)| matches!(s, TaskStatus::Blocked | TaskStatus::Archived))
+        .map(|(id, s)| format!("task {id} is {s}"))
+        .collect();
+    if !failed.is_empty() {
+        return Err(CliError {
+            message: failed.join(", "),
+            code: EXIT_FAILURE,
+        });
+    }
+    if timed_out {
+        let open = state.iter().filter(|(_, s)| !settled(**s)).count();
+        return Err(CliError {
+            message: format!("timed out with {open} task(s) not done"),
+            code: EXIT_TIMEOUT,
+        });
+    }
+    Ok(())
+}

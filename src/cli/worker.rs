@@ -1,0 +1,173 @@
+//! The commands a worker runs on its own run — complete, block, heartbeat — which an operator
+//! may also run on any task (complete and block only).
+//!
+//! Inside a worker (`RUNWARDEN_RUN_TOKEN` set) the task, run and token come from the
+//! environment the supervisor gave it, and the socket from `RUNWARDEN_SOCKET`: a worker may not
+//! be able to read the config file, so this path never loads it unless nothing else says where
+//! the socket is.
+
+use clap::Args;
+
+use super::output::{Out, line};
+use super::tasks::print_changed;
+use super::{Cli, CliError, connect};
+use crate::board::{RunId, TaskId};
+use crate::control::protocol::{Block, Complete, Heartbeat};
+
+/// `runwarden complete`.
+#[derive(Debug, Args)]
+pub struct CompleteArgs {
+    /// The task (inside a worker: default its own).
+    pub id: Option<TaskId>,
+    /// The result to record.
+    #[arg(long, short)]
+    pub result: Option<String>,
+    /// As an operator, complete even though the task's worker may still be alive.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `runwarden block`.
+#[derive(Debug, Args)]
+pub struct BlockArgs {
+    /// `ID REASON`, or just `REASON` inside a worker (its own task).
+    #[arg(value_name = "ARGS", required = true, num_args = 1..=2)]
+    pub args: Vec<String>,
+    /// As an operator, block even though the task's worker may still be alive.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `runwarden heartbeat`.
+#[derive(Debug, Args)]
+pub struct HeartbeatArgs {
+    /// A short progress note, recorded with the heartbeat.
+    #[arg(long, short)]
+    pub note: Option<String>,
+}
+
+/// The run a worker is working on, from its environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEnv {
+    pub task: TaskId,
+    pub run: RunId,
+    pub token: String,
+}
+
+impl WorkerEnv {
+    /// `Some` inside a worker (`RUNWARDEN_RUN_TOKEN` set); an error if its companions are
+    /// missing or malformed.
+    pub fn from_env() -> Result<Option<WorkerEnv>, CliError> {
+        let Some(token) = std::env::var("RUNWARDEN_RUN_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())
+        else {
+            return Ok(None);
+        };
+        let number = |name: &str| -> Result<i64, CliError> {
+            let text = std::env::var(name).map_err(|_| {
+                CliError::usage(format!("RUNWARDEN_RUN_TOKEN is set but {name} is not"))
+            })?;
+            text.trim()
+                .parse()
+                .map_err(|_| CliError::usage(format!("{name} is not a number: {text:?}")))
+        };
+        Ok(Some(WorkerEnv {
+            task: number("RUNWARDEN_TASK_ID")?,
+            run: number("RUNWARDEN_RUN_ID")?,
+            token,
+        }))
+    }
+
+    /// The worker's own run when `id` is absent or names its own task.
+    fn own(id: Option<TaskId>) -> Result<Option<WorkerEnv>, CliError> {
+        let env = WorkerEnv::from_env()?;
+        Ok(env.filter(|w| id.is_none_or(|id| id == w.task)))
+    }
+}
+
+/// Marks a task done: the worker's own run, or any task as an operator.
+pub fn complete(cli: &Cli, out: Out, args: &CompleteArgs) -> Result<(), CliError> {
+    let req = match (WorkerEnv::own(args.id)?, args.id) {
+        (Some(w), _) => Complete {
+            task: w.task,
+            run: Some(w.run),
+            token: Some(w.token),
+            result: args.result.clone(),
+            force: false,
+        },
+        (None, Some(task)) => Complete {
+            task,
+            run: None,
+            token: None,
+            result: args.result.clone(),
+            force: args.force,
+        },
+        (None, None) => return Err(not_in_worker("complete ID")),
+    };
+    let task = connect(cli)?.complete(req)?;
+    print_changed(&out, &task, "completed")
+}
+
+/// Blocks a task: the worker's own run, or any task as an operator.
+pub fn block(cli: &Cli, out: Out, args: &BlockArgs) -> Result<(), CliError> {
+    let (id, reason) = match args.args.as_slice() {
+        [id, reason] => {
+            let id = id
+                .parse::<TaskId>()
+                .map_err(|_| CliError::usage(format!("task id must be a number, not {id:?}")))?;
+            (Some(id), reason.clone())
+        }
+        [reason] => (None, reason.clone()),
+        _ => return Err(CliError::usage("usage: runwarden block [ID] REASON")),
+    };
+    let req = match (WorkerEnv::own(id)?, id) {
+        (Some(w), _) => Block {
+            task: w.task,
+            run: Some(w.run),
+            token: Some(w.token),
+            reason,
+            force: false,
+        },
+        (None, Some(task)) => Block {
+            task,
+            run: None,
+            token: None,
+            reason,
+            force: args.force,
+        },
+        (None, None) => return Err(not_in_worker("block ID REASON")),
+    };
+    let task = connect(cli)?.block(req)?;
+    print_changed(&out, &task, "blocked")
+}
+
+/// A worker's heartbeat on its own run.
+pub fn heartbeat(cli: &Cli, out: Out, args: &HeartbeatArgs) -> Result<(), CliError> {
+    let Some(w) = WorkerEnv::from_env()? else {
+        return Err(CliError::usage(
+            "heartbeat runs inside a worker: RUNWARDEN_RUN_TOKEN, RUNWARDEN_TASK_ID and RUNWARDEN_RUN_ID are not set",
+        ));
+    };
+    let reply = connect(cli)?.heartbeat(Heartbeat {
+        task: w.task,
+        run: w.run,
+        token: w.token,
+        note: args.note.clone(),
+    })?;
+    if out.json {
+        return out.json(&reply);
+    }
+    line(&format!(
+        "heartbeat recorded for task {} run {}; lease {}",
+        w.task,
+        w.run,
+        super::output::ago(reply.lease_expires_at).replace("in ", "expires in ")
+    ))
+}
+
+fn not_in_worker(usage: &str) -> CliError {
+    CliError::usage(format!(
+        "no task given and not inside a worker (RUNWARDEN_RUN_TOKEN is not set); usage: runwarden {usage}"
+    ))
+}

@@ -1,0 +1,439 @@
+//! Every `runwarden` command against a running supervisor (a real `runwarden serve` child on a
+//! temporary data dir), in both output modes, including the worker path: a worker that runs
+//! `runwarden heartbeat` and `runwarden complete` from its own environment.
+
+#[allow(dead_code)]
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::mpsc;
+
+use common::control_daemon::{Daemon, SETTLE, bin, command, failed, ok, ok_json, run};
+use common::proc_guard::{ChildGuard, wait_until};
+use serde_json::Value;
+
+/// `[assignees.*]` used below: a worker that reports through the CLI, one that holds its run,
+/// one that takes a moment, one that fails.
+fn assignees() -> String {
+    let bin_dir = Path::new(bin()).parent().unwrap().display().to_string();
+    format!(
+        r#"
+[assignees.reporter]
+command = ["sh", "-c", "echo working; runwarden heartbeat --note hi && runwarden complete --result ok"]
+env = {{ PATH = "{bin_dir}:/usr/local/bin:/usr/bin:/bin" }}
+
+[assignees.hold]
+command = ["sleep", "60"]
+max_in_progress = 4
+
+[assignees.brief]
+command = ["sh", "-c", "sleep 0.3"]
+
+[assignees.failing]
+command = ["sh", "-c", "exit 3"]
+max_retries = 0
+"#
+    )
+}
+
+fn daemon() -> Daemon {
+    Daemon::start("", &assignees())
+}
+
+fn id_of(out: &std::process::Output) -> i64 {
+    ok(out).trim().parse().expect("add prints the id")
+}
+
+fn show(d: &Daemon, id: i64) -> Value {
+    ok_json(&d.cli(&["show", &id.to_string(), "--json"]))
+}
+
+fn wait_status(d: &Daemon, id: i64, status: &str) -> Value {
+    let mut last = Value::Null;
+    let reached = wait_until(SETTLE, || {
+        last = show(d, id);
+        last["status"] == status
+    });
+    assert!(reached, "task {id} never became {status}: {last:#}");
+    last
+}
+
+#[test]
+fn a_worker_reports_through_the_cli_from_its_environment() {
+    let mut d = daemon();
+    let id = id_of(&d.cli(&["add", "report back", "--assignee", "reporter"]));
+    let t = wait_status(&d, id, "done");
+    assert_eq!(t["result"], "ok");
+    let run = &t["runs"][0];
+    assert_eq!(run["outcome"], "completed");
+    assert_eq!(run["summary"], "ok");
+    assert!(run["worker_pid"].is_null() || run["worker_pid"].is_i64());
+    assert!(run["started_at"].is_i64() && run["ended_at"].is_i64());
+    // The heartbeat refreshed the run: its time is recorded and the lease runs claim_ttl
+    // (15 min by default) from it.
+    let hb = run["heartbeat_at"].as_i64().expect("heartbeat recorded");
+    assert!(run["lease_expires_at"].as_i64().unwrap() >= hb + 14 * 60 * 1000);
+    let kinds: Vec<&str> = t["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    let hb_event = t["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "heartbeat");
+    assert_eq!(
+        hb_event.expect("a heartbeat event")["payload"]["note"],
+        "hi",
+        "{kinds:?}"
+    );
+    assert!(kinds.contains(&"completed"), "{kinds:?}");
+
+    // Its log holds what the worker printed, including the CLI's own confirmations.
+    let log = ok(&d.cli(&["logs", &id.to_string()]));
+    assert!(log.contains("working"), "{log}");
+    assert!(log.contains("heartbeat recorded"), "{log}");
+    // `logs` reads the file directly: with --config it needs no supervisor at all.
+    let log2 = ok(&d.cli_with_config(&["logs", &id.to_string()]));
+    assert_eq!(log, log2);
+    d.assert_healthy();
+}
+
+#[test]
+fn task_commands_in_both_output_modes() {
+    let mut d = daemon();
+    // add: plain prints the id; --json an object (global flag before the subcommand here).
+    let parent = id_of(&d.cli(&[
+        "add",
+        "parent task",
+        "--priority",
+        "3",
+        "--body",
+        "the body",
+    ]));
+    let created = ok_json(&d.cli(&[
+        "--json",
+        "add",
+        "child task",
+        "--parent",
+        &parent.to_string(),
+        "--max-runtime",
+        "5m",
+        "--max-retries",
+        "1",
+        "--idempotency-key",
+        "k",
+    ]));
+    let child = created["id"].as_i64().unwrap();
+    assert_eq!(created["existed"], false);
+    let again = ok_json(&d.cli(&["add", "child again", "--idempotency-key", "k", "--json"]));
+    assert_eq!(again, serde_json::json!({"id": child, "existed": true}));
+
+    // ls: a table for people, an array with --json, filters.
+    let table = ok(&d.cli(&["ls"]));
+    assert!(table.starts_with("ID"), "{table}");
+    assert!(
+        table.contains("parent task") && table.contains("child task"),
+        "{table}"
+    );
+    assert!(
+        !table.contains("\x1b["),
+        "no colour when stdout is not a terminal"
+    );
+    let all = ok_json(&d.cli(&["ls", "--json"]));
+    assert_eq!(all.as_array().unwrap().len(), 2);
+    let todo = ok_json(&d.cli(&["ls", "--status", "todo", "--json"]));
+    assert_eq!(todo.as_array().unwrap().len(), 1);
+    assert_eq!(todo[0]["id"], child);
+    assert_eq!(todo[0]["max_runtime_ms"], 300_000);
+    assert_eq!(todo[0]["max_retries"], 1);
+
+    // show: --json carries status, runs and events; the table names things.
+    let s = show(&d, parent);
+    assert_eq!(s["status"], "ready");
+    assert_eq!(s["priority"], 3);
+    assert_eq!(s["body"], "the body");
+    assert_eq!(s["children"], serde_json::json!([child]));
+    assert_eq!(s["runs"], serde_json::json!([]));
+    assert_eq!(s["events"][0]["kind"], "created");
+    let text = ok(&d.cli(&["show", &parent.to_string()]));
+    assert!(
+        text.contains("parent task") && text.contains("ready") && text.contains("created"),
+        "{text}"
+    );
+
+    // comment, link, block, unblock, complete, archive.
+    let c = ok_json(&d.cli(&["comment", &child.to_string(), "looks fine", "--json"]));
+    assert!(c["comment_id"].is_i64());
+    assert!(
+        ok(&d.cli(&["comment", &child.to_string(), "again", "--author", "bob"])).contains("added")
+    );
+    let extra = id_of(&d.cli(&["add", "extra"]));
+    let out = ok(&d.cli(&["link", &extra.to_string(), &child.to_string()]));
+    assert!(
+        out.contains(&format!("task {child} now waits for task {extra}")),
+        "{out}"
+    );
+    let blocked = ok_json(&d.cli(&["block", &parent.to_string(), "needs a decision", "--json"]));
+    assert_eq!(blocked["status"], "blocked");
+    assert_eq!(blocked["block_reason"], "needs a decision");
+    assert!(ok(&d.cli(&["unblock", &parent.to_string()])).contains("now ready"));
+    assert!(
+        ok(&d.cli(&["complete", &parent.to_string(), "--result", "by hand"])).contains("now done")
+    );
+    assert!(ok(&d.cli(&["complete", &extra.to_string()])).contains("now done"));
+    assert_eq!(
+        show(&d, child)["status"],
+        "ready",
+        "promoted once both parents are done"
+    );
+    let archived = ok_json(&d.cli(&["archive", &child.to_string(), "--json"]));
+    assert_eq!(archived["status"], "archived");
+    let s = show(&d, child);
+    assert_eq!(s["comments"][1]["author"], "bob");
+
+    // events: the whole log, or one task's; a table or a JSON array.
+    let events = ok_json(&d.cli(&["events", "--json"]));
+    let ids: Vec<i64> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_i64().unwrap())
+        .collect();
+    assert!(
+        ids.windows(2).all(|w| w[1] == w[0] + 1) && ids[0] == 1,
+        "{ids:?}"
+    );
+    let mine = ok_json(&d.cli(&["events", &parent.to_string(), "--json"]));
+    assert!(
+        mine.as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["task_id"] == parent)
+    );
+    let text = ok(&d.cli(&["events", &parent.to_string()]));
+    assert!(
+        text.contains("blocked") && text.contains("unblocked"),
+        "{text}"
+    );
+    let since = ok_json(&d.cli(&[
+        "events",
+        "--since",
+        &ids[ids.len() - 2].to_string(),
+        "--json",
+    ]));
+    assert_eq!(since.as_array().unwrap().len(), 1);
+
+    // Refusals: one line on stderr naming what was wrong, exit 1; usage mistakes exit 2.
+    let (code, err) = failed(&d.cli(&["show", "9999"]));
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("task 9999 not found") && err.lines().count() == 1,
+        "{err}"
+    );
+    let (code, err) = failed(&d.cli(&["unblock", &parent.to_string()]));
+    assert_eq!(code, 1);
+    assert!(err.contains("not blocked"), "{err}");
+    let (code, _) = failed(&d.cli(&["show", "abc"]));
+    assert_eq!(code, 2);
+    let (code, err) = failed(&d.cli(&["complete"]));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not inside a worker"), "{err}");
+    let (code, err) = failed(&d.cli(&["heartbeat"]));
+    assert_eq!(code, 2, "{err}");
+    d.assert_healthy();
+}
+
+#[test]
+fn running_tasks_runs_reclaim_force_status_reap() {
+    let mut d = daemon();
+    let id = id_of(&d.cli(&["add", "holds on", "-a", "hold"]));
+    let t = wait_status(&d, id, "running");
+    let pid = t["runs"][0]["spawned_pid"].as_i64();
+    assert!(
+        wait_until(SETTLE, || show(&d, id)["runs"][0]["worker_pid"].is_i64()),
+        "pid recorded: {pid:?}"
+    );
+
+    // status shows the live worker; --json is stable.
+    let s = ok_json(&d.cli(&["status", "--json"]));
+    assert_eq!(s["pid"], d.pid());
+    assert_eq!(s["counts"]["running"], 1);
+    assert_eq!(s["live_workers"][0]["task_id"], id);
+    assert!(s["uptime_ms"].is_u64() && s["version"].is_string());
+    let text = ok(&d.cli(&["status"]));
+    assert!(
+        text.contains("supervisor") && text.contains("running 1"),
+        "{text}"
+    );
+
+    // An operator may not complete or block a task whose worker is alive, except with --force.
+    let (code, err) = failed(&d.cli(&["complete", &id.to_string()]));
+    assert_eq!(code, 1);
+    assert!(err.contains("alive") && err.contains("--force"), "{err}");
+    let (code, _) = failed(&d.cli(&["block", &id.to_string(), "stop"]));
+    assert_eq!(code, 1);
+
+    // reclaim: the run closes, the worker is ended, the task runs again.
+    let r = ok_json(&d.cli(&[
+        "reclaim",
+        &id.to_string(),
+        "--reason",
+        "try again",
+        "--json",
+    ]));
+    assert_eq!(r["status"], "ready");
+    assert!(wait_until(SETTLE, || show(&d, id)["runs"]
+        .as_array()
+        .unwrap()
+        .len()
+        == 2));
+    let runs = ok_json(&d.cli(&["runs", &id.to_string(), "--json"]));
+    assert_eq!(runs[0]["outcome"], "reclaimed");
+    assert_eq!(runs[0]["error"], "try again");
+    let table = ok(&d.cli(&["runs", &id.to_string()]));
+    assert!(
+        table.contains("reclaimed") && table.contains("ATTEMPT"),
+        "{table}"
+    );
+
+    let done = ok_json(&d.cli(&[
+        "complete",
+        &id.to_string(),
+        "--force",
+        "--result",
+        "forced",
+        "--json",
+    ]));
+    assert_eq!(done["status"], "done");
+    let r = ok_json(&d.cli(&["reap", "--json"]));
+    assert!(r["pending"].is_u64());
+    assert!(ok(&d.cli(&["reap"])).contains("sweep"));
+    d.assert_healthy();
+}
+
+#[test]
+fn wait_exit_codes() {
+    let d = daemon();
+    let quick = id_of(&d.cli(&["add", "brief", "-a", "brief"]));
+    let also = id_of(&d.cli(&["add", "brief too", "-a", "brief"]));
+    let out = d.cli(&[
+        "wait",
+        &quick.to_string(),
+        &also.to_string(),
+        "--timeout",
+        "30s",
+    ]);
+    let text = ok(&out);
+    assert!(text.contains(&format!("task {quick}: done")), "{text}");
+    // Already done: returns at once.
+    let j = ok_json(&d.cli(&["wait", &quick.to_string(), "--json"]));
+    assert_eq!(j["tasks"][0]["status"], "done");
+    assert_eq!(j["timed_out"], false);
+
+    let bad = id_of(&d.cli(&["add", "fails", "-a", "failing"]));
+    let (code, err) = failed(&d.cli(&["wait", &bad.to_string(), "--timeout", "30s"]));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("blocked"), "{err}");
+
+    let never = id_of(&d.cli(&["add", "no assignee"]));
+    let (code, err) = failed(&d.cli(&["wait", &never.to_string(), "--timeout", "300ms"]));
+    assert_eq!(code, 124, "{err}");
+    assert!(err.contains("timed out"), "{err}");
+    let (code, err) = failed(&d.cli(&["wait", "4242"]));
+    assert_eq!(code, 1);
+    assert!(err.contains("not found"), "{err}");
+}
+
+/// Spawns `runwarden ARGS…` with stdout piped to a channel of lines; ended by its guard.
+fn stream(args: &[&str]) -> (ChildGuard, mpsc::Receiver<String>) {
+    let mut cmd = command();
+    cmd.args(args)
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut child = ChildGuard::spawn(&mut cmd).unwrap();
+    let stdout = child.0.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// Lines from `rx` until one contains `needle` (or the bound passes).
+fn expect_line(rx: &mpsc::Receiver<String>, needle: &str) -> String {
+    let deadline = std::time::Instant::now() + SETTLE;
+    let mut seen = Vec::new();
+    while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains(needle) => return line,
+            Ok(line) => seen.push(line),
+            Err(_) => break,
+        }
+    }
+    panic!("no line containing {needle:?}; got {seen:#?}");
+}
+
+#[test]
+fn events_and_logs_follow() {
+    let d = daemon();
+    let socket = d.socket.to_str().unwrap().to_string();
+    let (_events, rx) = stream(&["events", "--follow", "--json", "--socket", &socket]);
+    let id = id_of(&d.cli(&["add", "followed", "-a", "reporter"]));
+    let line = expect_line(&rx, "\"kind\":\"completed\"");
+    let ev: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(ev["task_id"], id);
+    assert_eq!(ev["payload"]["result"], "ok");
+
+    // Human follow of one task, and `logs --follow` of a log that keeps growing.
+    let (_one, rx_one) = stream(&["events", &id.to_string(), "-f", "--socket", &socket]);
+    expect_line(&rx_one, "completed");
+    let (_logs, rx_logs) = stream(&["logs", &id.to_string(), "--follow", "--socket", &socket]);
+    expect_line(&rx_logs, "working");
+}
+
+#[test]
+fn flags_anywhere_config_or_socket_and_plain_errors() {
+    let mut d = daemon();
+    // --config instead of --socket, after the subcommand; --json after too.
+    let s = ok_json(&d.cli_with_config(&["status", "--json"]));
+    assert_eq!(s["pid"], d.pid());
+    let id = id_of(&d.cli_with_config(&["add", "via config"]));
+    assert_eq!(
+        ok_json(&d.cli_with_config(&["show", &id.to_string(), "--json"]))["title"],
+        "via config"
+    );
+
+    // Completions need no supervisor.
+    let out = command().args(["completions", "bash"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("_runwarden"));
+
+    // shutdown: the supervisor stops, and then commands say plainly nobody is listening.
+    let out = ok(&d.cli(&["shutdown"]));
+    assert!(out.contains("stopping"), "{out}");
+    let status = d.wait_exit(SETTLE).expect("supervisor exits");
+    assert!(status.success(), "{status}");
+    let (code, err) = failed(&d.cli(&["status"]));
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("no supervisor is listening on") && err.contains(d.socket.to_str().unwrap()),
+        "{err}"
+    );
+    let mut cmd = command();
+    cmd.args(["ls", "--socket", "/nonexistent/rw.sock"]);
+    let (code, err) = failed(&run(cmd));
+    assert_eq!(code, 1);
+    assert!(err.contains("/nonexistent/rw.sock"), "{err}");
+    assert!(!d.stderr_text().contains("panicked"));
+}

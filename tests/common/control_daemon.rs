@@ -1,0 +1,337 @@
+//! Helpers for the control-socket and CLI tests: a real `runwarden serve` child process on a
+//! temporary data dir, talked to over its real socket, and always ended by pid.
+
+use std::fs;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use runwarden::control::client::Client;
+use tempfile::TempDir;
+
+use super::proc_guard::{ChildGuard, wait_until};
+
+/// Generous bound for a supervisor to start, stop, or get somewhere; every wait polls.
+pub const SETTLE: Duration = Duration::from_secs(20);
+
+/// The `runwarden` binary under test.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_runwarden")
+}
+
+/// A `runwarden serve` child with its own data dir, config file and stderr log.
+pub struct Daemon {
+    pub child: Option<ChildGuard>,
+    pub config: PathBuf,
+    pub data_dir: PathBuf,
+    pub socket: PathBuf,
+    pub stderr: PathBuf,
+    /// Holds everything above; removed last.
+    pub dir: TempDir,
+}
+
+impl Daemon {
+    /// Starts a supervisor. `supervisor` is extra lines for the `[supervisor]` table; `rest`
+    /// is appended as is (other tables: `[control]`, `[assignees.x]`, …). Workers are ended
+    /// when it stops (`shutdown = "terminate"`), so tests leave nothing behind.
+    pub fn start(supervisor: &str, rest: &str) -> Daemon {
+        let dir = tempfile::tempdir().expect("temp dir");
+        Daemon::start_in(dir, supervisor, rest)
+    }
+
+    /// Like [`Daemon::start`] in a directory the caller prepared.
+    pub fn start_in(dir: TempDir, supervisor: &str, rest: &str) -> Daemon {
+        let config = dir.path().join("config.toml");
+        let data_dir = dir.path().join("data");
+        let text = format!(
+            "[supervisor]\ndata_dir = \"data\"\ntick = \"200ms\"\nshutdown = \"terminate\"\n{supervisor}\n\
+             [reaper]\ngrace = \"1s\"\nkill_timeout = \"2s\"\n\n{rest}\n"
+        );
+        fs::write(&config, text).expect("write config");
+        let socket = runwarden::config::Config::load(&config)
+            .expect("test config loads")
+            .socket_path();
+        let mut d = Daemon {
+            child: None,
+            stderr: dir.path().join("serve.stderr"),
+            config,
+            data_dir,
+            socket,
+            dir,
+        };
+        d.spawn();
+        d.wait_ready();
+        d
+    }
+
+    /// Starts `serve` without waiting for it; for tests of a refused start.
+    pub fn spawn_serve(config: &Path, stderr: &Path) -> ChildGuard {
+        let log = fs::File::create(stderr).expect("stderr file");
+        let mut cmd = Command::new(bin());
+        cmd.arg("--config")
+            .arg(config)
+            .arg("serve")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            // Its own group: a signal meant for the test's group never reaches it.
+            .process_group(0)
+            .env("RUNWARDEN_LOG", "info");
+        scrub_env(&mut cmd);
+        ChildGuard::spawn(&mut cmd).expect("spawn runwarden serve")
+    }
+
+    fn spawn(&mut self) {
+        self.child = Some(Daemon::spawn_serve(&self.config, &self.stderr));
+    }
+
+    /// Polls until a client is served (hello answered), or panics with the daemon's stderr.
+    pub fn wait_ready(&mut self) {
+        let deadline = Instant::now() + SETTLE;
+        loop {
+            if let Ok(mut c) = Client::connect(&self.socket)
+                && c.hello().is_ok()
+            {
+                return;
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "runwarden serve exited with {status}:\n{}",
+                    self.stderr_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "socket never answered:\n{}",
+                self.stderr_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The supervisor's pid.
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().expect("running").pid()
+    }
+
+    /// A connected client that has said hello.
+    pub fn client(&self) -> Client {
+        let mut c = Client::connect(&self.socket).expect("connect");
+        c.hello().expect("hello");
+        c
+    }
+
+    /// A raw connection (no hello), with a read timeout so a test never hangs.
+    pub fn raw(&self) -> RawConn {
+        RawConn::connect(&self.socket)
+    }
+
+    /// Runs `runwarden --socket <socket> ARGS…` and returns its output.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        let mut cmd = command();
+        cmd.arg("--socket").arg(&self.socket).args(args);
+        run(cmd)
+    }
+
+    /// Runs `runwarden ARGS… --config <config>` (the flag after the subcommand).
+    pub fn cli_with_config(&self, args: &[&str]) -> Output {
+        let mut cmd = command();
+        cmd.args(args).arg("--config").arg(&self.config);
+        run(cmd)
+    }
+
+    /// What the daemon wrote to stderr so far.
+    pub fn stderr_text(&self) -> String {
+        fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Asserts the daemon is still running and never panicked.
+    pub fn assert_healthy(&mut self) {
+        let exited = self
+            .child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten());
+        assert!(
+            exited.is_none(),
+            "supervisor exited ({exited:?}):\n{}",
+            self.stderr_text()
+        );
+        let log = self.stderr_text();
+        assert!(!log.contains("panicked"), "supervisor panicked:\n{log}");
+    }
+
+    /// Waits until the daemon has exited; returns whether it exited cleanly.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let child = self.child.as_mut()?;
+        let mut status = None;
+        wait_until(timeout, || {
+            status = child.try_wait().ok().flatten();
+            status.is_some()
+        });
+        status
+    }
+
+    /// Stops the daemon gracefully over the socket, then (if that fails) by SIGKILL.
+    pub fn stop(&mut self) {
+        if self.child.is_none() {
+            return;
+        }
+        if let Ok(mut c) = Client::connect(&self.socket)
+            && c.hello().is_ok()
+        {
+            let _ = c.shutdown();
+        }
+        let _ = self.wait_exit(SETTLE);
+        // Drop SIGKILLs it if it is still there, and reaps it.
+        self.child = None;
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Removes runwarden's variables inherited from the test environment.
+pub fn scrub_env(cmd: &mut Command) {
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("RUNWARDEN_") {
+            cmd.env_remove(&key);
+        }
+    }
+}
+
+/// `runwarden` with none of runwarden's variables inherited from the test's environment.
+pub fn command() -> Command {
+    let mut cmd = Command::new(bin());
+    scrub_env(&mut cmd);
+    cmd
+}
+
+/// Runs a command to completion (no stdin, in `/`) and returns its output.
+pub fn run(mut cmd: Command) -> Output {
+    cmd.stdin(Stdio::null()).current_dir("/");
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn runwarden");
+    // A guard ends it by pid if the test fails (or it hangs) before it is collected.
+    let mut guard = ChildGuard::new(child).expect("guard");
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let mut stdout = guard.0.stdout.take().expect("stdout");
+    let mut stderr = guard.0.stderr.take().expect("stderr");
+    let t = std::thread::spawn(move || {
+        let _ = stderr.read_to_end(&mut err);
+        err
+    });
+    let _ = stdout.read_to_end(&mut out);
+    let err = t.join().unwrap_or_default();
+    let status = guard.0.wait().expect("wait");
+    Output {
+        status,
+        stdout: out,
+        stderr: err,
+    }
+}
+
+/// stdout of a successful command, or a panic showing what it said.
+pub fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "command failed ({}):\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// stdout parsed as JSON, for a successful command.
+pub fn ok_json(out: &Output) -> serde_json::Value {
+    let text = ok(out);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// The exit code and stderr of a command that must fail.
+pub fn failed(out: &Output) -> (i32, String) {
+    assert!(
+        !out.status.success(),
+        "command succeeded but should not have:\nstdout: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A raw socket connection speaking lines, for malformed-input tests.
+pub struct RawConn {
+    pub reader: BufReader<UnixStream>,
+    pub writer: UnixStream,
+}
+
+impl RawConn {
+    /// Connects (no hello) with a 10 s read timeout.
+    pub fn connect(socket: &Path) -> RawConn {
+        let s = UnixStream::connect(socket).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        RawConn {
+            writer: s.try_clone().expect("clone"),
+            reader: BufReader::new(s),
+        }
+    }
+
+    /// Sends bytes as they are.
+    pub fn send(&mut self, bytes: &[u8]) {
+        self.writer.write_all(bytes).expect("write");
+    }
+
+    /// Sends `hello` and checks the answer.
+    pub fn hello(&mut self) {
+        self.send(b"{\"id\":0,\"op\":\"hello\",\"version\":\"1.0\"}\n");
+        let r = self.recv().expect("hello answered");
+        assert_eq!(r["ok"], true, "{r}");
+    }
+
+    /// The next line as JSON; None at end of stream (or reset).
+    pub fn recv(&mut self) -> Option<serde_json::Value> {
+        let mut line = String::new();
+        match self.reader.read_line(&mut line) {
+            Ok(0) => None,
+            Ok(_) => Some(
+                serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad line ({e}): {line:?}")),
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
+            Err(e) => panic!("read failed: {e}"),
+        }
+    }
+
+    /// Sends a request line and returns the answer.
+    pub fn call(&mut self, line: &str) -> serde_json::Value {
+        self.send(line.as_bytes());
+        self.send(b"\n");
+        self.recv().expect("an answer")
+    }
+
+    /// True once the server has closed the connection.
+    pub fn closed(&mut self) -> bool {
+        self.recv().is_none()
+    }
+}
+
+/// The error code of a refusal line.
+pub fn error_code(v: &serde_json::Value) -> &str {
+    assert_eq!(v["ok"], false, "expected a refusal: {v}");
+    v["error"]["code"].as_str().unwrap_or("")
+}

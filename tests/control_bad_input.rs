@@ -1,0 +1,217 @@
+//! Bad input on the control socket: each gets its documented answer, the daemon keeps serving
+//! everyone else, and it never panics.
+//!
+//! - malformed JSON, invalid UTF-8, an unknown op, wrong field types: `bad_request` naming
+//!   what was wrong, and the same connection goes on;
+//! - a line over `max_request_bytes`: `too_large`, then the connection is closed;
+//! - a client silent for `idle_timeout`: `idle_timeout`, then closed;
+//! - connections beyond `max_connections`: one `too_many_connections` line, then closed.
+
+#[allow(dead_code)]
+mod common;
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use common::control_daemon::{Daemon, RawConn, SETTLE, error_code};
+
+/// A daemon with a short idle timeout, so the idle test takes half a second.
+fn daemon() -> Daemon {
+    Daemon::start("", "[control]\nidle_timeout = \"500ms\"\n")
+}
+
+fn message(v: &serde_json::Value) -> &str {
+    v["error"]["message"].as_str().unwrap_or("")
+}
+
+#[test]
+fn malformed_lines_get_bad_request_and_the_connection_goes_on() {
+    let mut d = daemon();
+    let mut c = d.raw();
+    c.hello();
+
+    let r = c.call("{\"id\":1,\"op\":");
+    assert_eq!(error_code(&r), "bad_request");
+    assert!(message(&r).starts_with("malformed JSON"), "{r}");
+    assert_eq!(r["id"], serde_json::Value::Null);
+
+    c.send(b"{\"id\":2,\"op\":\"status\",\"x\":\"\xff\xfe\"}\n");
+    let r = c.recv().unwrap();
+    assert_eq!(error_code(&r), "bad_request");
+    assert!(message(&r).contains("not valid UTF-8"), "{r}");
+
+    let r = c.call(r#"{"id":3,"op":"teleport","task":1}"#);
+    assert_eq!(error_code(&r), "bad_request");
+    assert_eq!(r["id"], 3);
+    assert!(message(&r).contains("unknown op `teleport`"), "{r}");
+
+    let r = c.call(r#"{"id":4,"op":"show_task","task":"seven"}"#);
+    assert_eq!(error_code(&r), "bad_request");
+    assert!(message(&r).contains("field `task`"), "names the field: {r}");
+
+    let r = c.call(r#"{"id":5,"op":"add_task","title":"t","priority":"high"}"#);
+    assert!(message(&r).contains("field `priority`"), "{r}");
+    let r = c.call(r#"{"id":6,"op":"add_task","title":"t","urgent":true}"#);
+    assert!(message(&r).contains("unknown field `urgent`"), "{r}");
+    let r = c.call(r#"{"id":7,"op":"list_tasks","status":"sleeping"}"#);
+    assert!(
+        message(&r).contains("field `status`") && message(&r).contains("sleeping"),
+        "{r}"
+    );
+    let r = c.call(r#"{"id":8,"op":"events","follow":"yes"}"#);
+    assert!(message(&r).contains("field `follow`"), "{r}");
+    let r = c.call(r#"{"id":9,"op":"complete"}"#);
+    assert!(message(&r).contains("missing field `task`"), "{r}");
+    let r = c.call(r#"{"id":{"a":1},"op":"status"}"#);
+    assert!(message(&r).contains("field `id`"), "{r}");
+    let r = c.call(r#"{"id":10,"op":5}"#);
+    assert!(message(&r).contains("field `op`"), "{r}");
+    let r = c.call("[1,2,3]");
+    assert!(message(&r).contains("JSON object"), "{r}");
+
+    // Blank lines are ignored; the connection still works.
+    c.send(b"\n\r\n");
+    let r = c.call(r#"{"id":11,"op":"status"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["id"], 11);
+    d.assert_healthy();
+}
+
+#[test]
+fn an_oversized_line_gets_too_large_and_is_closed() {
+    let mut d = daemon();
+    let mut c = d.raw();
+    c.hello();
+    // 2 MiB without a newline, written from a thread: the server stops reading after 1 MiB,
+    // answers and closes, and the rest of our write fails — that is expected.
+    let mut w = c.writer.try_clone().unwrap();
+    let writer = std::thread::spawn(move || {
+        let big = vec![b'x'; 2 * 1024 * 1024];
+        let _ = w.write_all(&big);
+        let _ = w.write_all(b"\n");
+    });
+    let r = c.recv().expect("an answer before the close");
+    assert_eq!(error_code(&r), "too_large");
+    assert!(message(&r).contains("1048576"), "{r}");
+    assert!(c.closed(), "the connection is closed after too_large");
+    writer.join().unwrap();
+
+    // Exactly at the limit is still fine (the newline does not count).
+    let mut c = d.raw();
+    c.hello();
+    let title = "y".repeat(1024 * 1024 - r#"{"id":1,"op":"add_task","title":""}"#.len());
+    let r = c.call(&format!(r#"{{"id":1,"op":"add_task","title":"{title}"}}"#));
+    assert_eq!(
+        r["ok"], true,
+        "a line of exactly max_request_bytes is accepted"
+    );
+
+    let mut ok = d.client();
+    ok.status().expect("a well-behaved client is served");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_silent_client_is_disconnected_after_the_idle_timeout() {
+    let mut d = daemon();
+    // Silent from the start (no hello either).
+    let mut silent = d.raw();
+    // Said hello, then silent.
+    let mut quiet = d.raw();
+    quiet.hello();
+    let start = Instant::now();
+    for c in [&mut silent, &mut quiet] {
+        let r = c.recv().expect("an idle_timeout line");
+        assert_eq!(error_code(&r), "idle_timeout", "{r}");
+        assert!(c.closed());
+    }
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(400),
+        "closed too early: {waited:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(5),
+        "closed too late: {waited:?}"
+    );
+
+    // A client that keeps talking is not idle, and one with a follow stream open is not
+    // either even if it sends nothing more.
+    let mut chatty = d.client();
+    let mut follower = d.raw();
+    follower.hello();
+    follower.send(b"{\"id\":1,\"op\":\"events\",\"follow\":true}\n");
+    assert_eq!(follower.recv().unwrap()["result"]["following"], true);
+    for _ in 0..8 {
+        std::thread::sleep(Duration::from_millis(150));
+        chatty.status().expect("an active client is not cut off");
+    }
+    chatty
+        .add_task(&runwarden::board::NewTask::titled("ping"))
+        .unwrap();
+    let ev = follower
+        .recv()
+        .expect("the follower still gets events after the idle timeout");
+    assert_eq!(ev["event"]["kind"], "created", "{ev}");
+    d.assert_healthy();
+}
+
+#[test]
+fn connections_beyond_the_limit_are_refused_with_one_line() {
+    // The default idle timeout (30 s): the held connections must not time out meanwhile.
+    let mut d = Daemon::start("", "");
+    let max = 256;
+    // Hold max connections (each has said hello, so each holds a slot), then 44 more.
+    let mut held: Vec<RawConn> = (0..max)
+        .map(|_| {
+            let mut c = d.raw();
+            c.hello();
+            c
+        })
+        .collect();
+    let mut extra: Vec<RawConn> = (0..300 - max).map(|_| d.raw()).collect();
+    for c in &mut extra {
+        let r = c.recv().expect("one refusal line");
+        assert_eq!(error_code(&r), "too_many_connections", "{r}");
+        assert!(message(&r).contains("256"), "{r}");
+        assert!(c.closed(), "then closed");
+    }
+    // The held ones still work (the limit refused only the newcomers).
+    let r = held[0].call(r#"{"id":1,"op":"status"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    // Freeing slots lets a well-behaved client in again.
+    held.clear();
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let mut c = d.raw();
+        let r = c.call(r#"{"id":1,"op":"hello","version":"1.0"}"#);
+        if r["ok"] == true {
+            break;
+        }
+        assert_eq!(error_code(&r), "too_many_connections");
+        assert!(Instant::now() < deadline, "slots never freed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d.client().status().expect("served after the burst");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_client_that_vanishes_mid_request_does_not_hurt_the_daemon() {
+    let mut d = daemon();
+    for _ in 0..20 {
+        let mut c = d.raw();
+        c.hello();
+        // Half a line, then gone; and a pipelined burst whose replies nobody reads.
+        c.send(b"{\"id\":1,\"op\":\"add_ta");
+        drop(c);
+        let mut c = d.raw();
+        c.hello();
+        for i in 0..50 {
+            c.send(format!("{{\"id\":{i},\"op\":\"status\"}}\n").as_bytes());
+        }
+        drop(c);
+    }
+    d.client().status().expect("still serving");
+    d.assert_healthy();
+}
