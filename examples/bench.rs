@@ -17,6 +17,8 @@
 
 #[path = "bench/lifecycle.rs"]
 mod lifecycle;
+#[path = "bench/socket.rs"]
+mod socket;
 #[path = "bench/store.rs"]
 mod store;
 #[path = "bench/util.rs"]
@@ -40,6 +42,7 @@ pub enum Probe {
 enum Scenario {
     Lifecycle,
     Store,
+    Socket,
     All,
 }
 
@@ -63,6 +66,10 @@ pub struct Opts {
     pub probe: Probe,
     /// Store: concurrent callers, each awaiting one append at a time.
     pub callers: usize,
+    /// socket: pipelined adds per round.
+    pub adds: usize,
+    /// socket: one-at-a-time adds per round.
+    pub single_adds: usize,
     /// Store: most single-transaction appends in the baseline (the rate is extrapolated).
     pub baseline_cap: usize,
     pub skip_latency: bool,
@@ -81,12 +88,15 @@ SCENARIOS:
     lifecycle   (default) /bin/true tasks through the supervisor vs a plain spawn+wait loop,
                 then dispatch latency, reap precision and a per-lifecycle micro-profile
     store       durable event appends/s through the StoreActor (group commit) vs one tx each
+    socket      task adds over the control socket (pipelined, one at a time) vs in-process
     all         both
 
 OPTIONS:
     --n N                  N of the chosen scenario (lifecycle: tasks; store: events)
     --tasks N              lifecycle tasks per round               [default: 2000]
     --events N             store events                            [default: 100000]
+    --adds N               socket: pipelined adds per round         [default: 20000]
+    --single-adds N        socket: one-at-a-time adds per round     [default: 1000]
     -p, --parallel P       lifecycle worker slots / baseline threads [default: 8]
     --rounds R             alternating baseline/supervised rounds  [default: 3]
     --sync full|normal     SQLite synchronous for the supervisor   [default: full]
@@ -108,6 +118,7 @@ OPTIONS:
 TARGETS:
     lifecycle: supervised lifecycles/s >= 0.7 x plain spawns/s (ratio of medians)
     store:     >= 50000 durable event writes/s with group commit (synchronous = FULL)
+    socket:    >= 20000 task adds/s from one pipelining client
 ";
 
 fn parse_args() -> Result<Option<Opts>, String> {
@@ -125,6 +136,8 @@ fn parse_args() -> Result<Option<Opts>, String> {
         grace: Duration::from_millis(200),
         probe: Probe::SelfExe,
         callers: 64,
+        adds: 20_000,
+        single_adds: 1_000,
         baseline_cap: 2000,
         skip_latency: false,
         skip_reap: false,
@@ -152,11 +165,12 @@ fn parse_args() -> Result<Option<Opts>, String> {
         };
         match key.as_str() {
             "-h" | "--help" => return Ok(None),
-            "lifecycle" | "store" | "all" if !scenario_seen => {
+            "lifecycle" | "store" | "socket" | "all" if !scenario_seen => {
                 scenario_seen = true;
                 o.scenario = match key.as_str() {
                     "lifecycle" => Scenario::Lifecycle,
                     "store" => Scenario::Store,
+                    "socket" => Scenario::Socket,
                     _ => Scenario::All,
                 };
             }
@@ -186,6 +200,8 @@ fn parse_args() -> Result<Option<Opts>, String> {
             "--reap-samples" => o.reap_samples = num(&key, value(&key)?)?,
             "--grace-ms" => o.grace = Duration::from_millis(num(&key, value(&key)?)? as u64),
             "--callers" => o.callers = num(&key, value(&key)?)?,
+            "--adds" => o.adds = num(&key, value(&key)?)?,
+            "--single-adds" => o.single_adds = num(&key, value(&key)?)?,
             "--baseline-cap" => o.baseline_cap = num(&key, value(&key)?)?,
             "--no-latency" => o.skip_latency = true,
             "--no-reap" => o.skip_reap = true,
@@ -199,6 +215,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
         match o.scenario {
             Scenario::Lifecycle => o.tasks = n,
             Scenario::Store => o.events = n,
+            Scenario::Socket => o.adds = n,
             Scenario::All => {
                 return Err("with `all`, use --tasks and --events instead of --n".into());
             }
@@ -243,6 +260,13 @@ fn main() -> ExitCode {
         if let Err(e) = store::run(&opts, dir.path(), &mut summary) {
             eprintln!("bench: store failed: {e}");
             summary.line(format!("store: ERROR {e}"));
+            failed = true;
+        }
+    }
+    if matches!(opts.scenario, Scenario::Socket | Scenario::All) {
+        if let Err(e) = socket::run(&opts, dir.path(), &mut summary) {
+            eprintln!("bench: socket failed: {e}");
+            summary.line(format!("socket: ERROR {e}"));
             failed = true;
         }
     }

@@ -164,3 +164,78 @@ fn sigkilled_supervisor_restarts_and_every_task_completes_exactly_once() {
     drop(db);
     assert_eq!(Db::new(td.db_path()).integrity_check(), "ok");
 }
+
+/// A worker that reports while no supervisor is listening does not lose its report:
+/// `runwarden complete` inside a worker retries until a supervisor answers again.
+#[test]
+fn a_worker_report_made_during_a_restart_lands_once_the_supervisor_is_back() {
+    let td = TestDir::new();
+    let gate_dir = td.path().join("gates");
+    // Waits for its gate, then reports exactly once (no retry loop of its own).
+    let worker = format!(
+        "{}; runwarden complete --result ok",
+        common::lifecycle::wait_for_gate(30)
+    );
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        &format!(
+            "[assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
+             env = {{ GATE_DIR = {:?} }}\n",
+            gate_dir.display().to_string()
+        ),
+    );
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(
+                &NewTask::titled("report late").for_assignee("w"),
+                now_millis(),
+            )?
+            .id)
+    });
+
+    let mut first = Serve::start(&config, "serve1");
+    first.wait_ready(&td.lock_path(), &td.db_path());
+    let mut spawned = None;
+    assert!(
+        wait_until(SETTLE, || {
+            spawned = db.events_of(task, "worker_spawned").into_iter().next();
+            spawned.is_some()
+        }),
+        "the worker never started; stderr:\n{}",
+        first.stderr()
+    );
+    let (pid, fp) = spawned_identity(&spawned.unwrap());
+    let worker_guard = WorkerGuard::pin(pid, &fp);
+    stop_serve(&mut first, Signal::SIGKILL, SETTLE);
+
+    // The worker now reports into the void: its `runwarden complete` must wait, not fail.
+    common::lifecycle::open_gate(&gate_dir, task);
+    let run = db.runs(task)[0].clone();
+    let reporter =
+        common::lifecycle::wait_run_procs(&run.token, &["runwarden complete --result ok"], SETTLE);
+    assert!(
+        worker_guard.alive(),
+        "the worker gave up while no supervisor ran"
+    );
+    assert_eq!(db.get_task(task).status, TaskStatus::Running);
+
+    let mut second = Serve::start(&config, "serve2");
+    second.wait_ready(&td.lock_path(), &td.db_path());
+    db.wait_status(task, TaskStatus::Done, SETTLE);
+    let d = db.detail(task);
+    assert_eq!(
+        d.task.result.as_deref(),
+        Some("ok"),
+        "the worker's own report"
+    );
+    assert_eq!(d.runs.len(), 1, "no second run");
+    assert_eq!(d.runs[0].outcome, Some(RunOutcome::Completed));
+    assert_eq!(d.events.iter().filter(|e| e.kind == "completed").count(), 1);
+    assert!(
+        common::lifecycle::wait_all_dead(&reporter, SETTLE),
+        "the reporting CLI did not exit after its report landed"
+    );
+    stop_serve(&mut second, Signal::SIGTERM, SETTLE);
+}

@@ -6,6 +6,8 @@
 //! be able to read the config file, so this path never loads it unless nothing else says where
 //! the socket is.
 
+use std::time::{Duration, Instant};
+
 use clap::Args;
 
 use super::output::{Out, line};
@@ -105,7 +107,7 @@ pub fn complete(cli: &Cli, out: Out, args: &CompleteArgs) -> Result<(), CliError
         },
         (None, None) => return Err(not_in_worker("complete ID")),
     };
-    let task = connect(cli)?.complete(req)?;
+    let task = connect_for(cli, req.token.is_some())?.complete(req)?;
     print_changed(&out, &task, "completed")
 }
 
@@ -138,7 +140,7 @@ pub fn block(cli: &Cli, out: Out, args: &BlockArgs) -> Result<(), CliError> {
         },
         (None, None) => return Err(not_in_worker("block ID REASON")),
     };
-    let task = connect(cli)?.block(req)?;
+    let task = connect_for(cli, req.token.is_some())?.block(req)?;
     print_changed(&out, &task, "blocked")
 }
 
@@ -149,7 +151,7 @@ pub fn heartbeat(cli: &Cli, out: Out, args: &HeartbeatArgs) -> Result<(), CliErr
             "heartbeat runs inside a worker: RUNWARDEN_RUN_TOKEN, RUNWARDEN_TASK_ID and RUNWARDEN_RUN_ID are not set",
         ));
     };
-    let reply = connect(cli)?.heartbeat(Heartbeat {
+    let reply = connect_for(cli, true)?.heartbeat(Heartbeat {
         task: w.task,
         run: w.run,
         token: w.token,
@@ -164,6 +166,48 @@ pub fn heartbeat(cli: &Cli, out: Out, args: &HeartbeatArgs) -> Result<(), CliErr
         w.run,
         super::output::ago(reply.lease_expires_at).replace("in ", "expires in ")
     ))
+}
+
+/// How long a worker's report waits for a supervisor that is not listening (restarting).
+const WORKER_CONNECT_WAIT: Duration = Duration::from_secs(60);
+
+/// Connects; a worker reporting on its own run rides out a supervisor restart (socket gone or
+/// refusing) by retrying for up to [`WORKER_CONNECT_WAIT`] (`RUNWARDEN_CONNECT_WAIT`
+/// overrides), so its report is not lost. An operator's command fails at once.
+fn connect_for(cli: &Cli, worker: bool) -> Result<crate::control::client::Client, CliError> {
+    if !worker {
+        return connect(cli);
+    }
+    let wait = std::env::var("RUNWARDEN_CONNECT_WAIT")
+        .ok()
+        .and_then(|v| humantime::parse_duration(&v).ok())
+        .unwrap_or(WORKER_CONNECT_WAIT);
+    let path = super::socket_path(cli)?;
+    let deadline = Instant::now() + wait;
+    let mut delay = Duration::from_millis(50);
+    let mut told = false;
+    loop {
+        match crate::control::client::Client::connect(&path) {
+            Ok(mut client) => {
+                client.hello()?;
+                return Ok(client);
+            }
+            Err(e @ crate::control::client::ClientError::NotRunning { .. })
+                if Instant::now() < deadline =>
+            {
+                if !told {
+                    eprintln!(
+                        "runwarden: {e}; retrying for up to {}",
+                        humantime::format_duration(wait)
+                    );
+                    told = true;
+                }
+                std::thread::sleep(delay.min(deadline.saturating_duration_since(Instant::now())));
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 fn not_in_worker(usage: &str) -> CliError {
