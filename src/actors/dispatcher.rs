@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use tokio::sync::broadcast;
 
 use super::outcome::ExitPolicy;
 use super::reaper::{ReaperActor, RunClosed, WorkerGone};
@@ -276,15 +275,26 @@ impl DispatcherActor {
             self.config.reaper.kill_timeout,
             self.store.clone(),
             ctx.address(),
-        )
-        .with_claim_on_close(self.claim_params())
-        .start();
+        );
+        self.run_worker(worker, claim.run_id, task.id, None, token);
+    }
+
+    /// Starts `worker` (with claim-on-close) and keeps its address under `run_id`.
+    fn run_worker(
+        &mut self,
+        worker: WorkerActor,
+        run_id: RunId,
+        task_id: TaskId,
+        pid: Option<i32>,
+        token: String,
+    ) {
+        let addr = worker.with_claim_on_close(self.claim_params()).start();
         self.workers.insert(
-            claim.run_id,
+            run_id,
             Worker {
-                addr: worker,
-                task_id: task.id,
-                pid: None,
+                addr,
+                task_id,
+                pid,
                 token,
             },
         );
@@ -554,7 +564,7 @@ impl DispatcherActor {
                 else {
                     return;
                 };
-                let addr = WorkerActor::adopt(
+                let worker = WorkerActor::adopt(
                     spec,
                     pidfd,
                     fp,
@@ -564,18 +574,9 @@ impl DispatcherActor {
                     self.config.reaper.kill_timeout,
                     self.store.clone(),
                     ctx.address(),
-                )
-                .with_claim_on_close(self.claim_params())
-                .start();
-                self.workers.insert(
-                    run_id,
-                    Worker {
-                        addr,
-                        task_id: task.id,
-                        pid: run.worker_pid.map(|p| p as i32),
-                        token: run.token.clone(),
-                    },
                 );
+                let pid = run.worker_pid.map(|p| p as i32);
+                self.run_worker(worker, run_id, task.id, pid, run.token.clone());
                 let store = self.store.clone();
                 let lease_ms = self.config.leases.claim_ttl.as_millis() as i64;
                 actix_rt::spawn(async move {
@@ -746,24 +747,18 @@ impl Actor for DispatcherActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        let mut feed = self.store.subscribe();
-        let me = ctx.address();
-        actix_rt::spawn(async move {
-            loop {
-                match feed.recv().await {
-                    Ok(ev) => me.do_send(BoardEvent(ev)),
-                    // Lagging only loses wake-ups, which the next pass covers.
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        tracing::debug!(missed = n, "dispatcher lagged behind the event feed");
-                        me.do_send(Kick);
-                    }
-                    Err(broadcast::error::RecvError::Closed) => break,
-                }
-                if !me.connected() {
-                    break;
-                }
-            }
-        });
+        let (me, lagging) = (ctx.address(), ctx.address());
+        self.store.forward_events(
+            move |ev| {
+                me.do_send(BoardEvent(ev));
+                me.connected()
+            },
+            // Lagging only loses wake-ups, which the next pass covers.
+            move |missed| {
+                tracing::debug!(missed, "dispatcher lagged behind the event feed");
+                lagging.do_send(Kick);
+            },
+        );
         ctx.run_interval(self.config.supervisor.tick, |act, ctx| act.tick(ctx));
         self.reconcile(ctx);
         self.pass(ctx);

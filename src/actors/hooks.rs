@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use tokio::sync::broadcast;
 
 use super::store::Store;
 use crate::board::Event;
@@ -76,25 +75,19 @@ impl Actor for HookActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        let mut feed = self.store.subscribe();
         let me = ctx.address();
-        actix_rt::spawn(async move {
-            loop {
-                match feed.recv().await {
-                    Ok(ev) => me.do_send(HookEvent(ev)),
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        tracing::warn!(
-                            missed = n,
-                            "hooks lagged behind the event feed; some hooks did not run"
-                        );
-                    }
-                    Err(broadcast::error::RecvError::Closed) => break,
-                }
-                if !me.connected() {
-                    break;
-                }
-            }
-        });
+        self.store.forward_events(
+            move |ev| {
+                me.do_send(HookEvent(ev));
+                me.connected()
+            },
+            |missed| {
+                tracing::warn!(
+                    missed,
+                    "hooks lagged behind the event feed; some hooks did not run"
+                )
+            },
+        );
     }
 }
 

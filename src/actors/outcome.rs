@@ -215,22 +215,12 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: String, now: Millis) ->
         // Closed by the worker's own report (or by force): the exit changes nothing.
         return Ok(());
     }
-    match (cx.exit.code, cx.policy.on_exit_zero) {
+    let error = match (cx.exit.code, cx.policy.on_exit_zero) {
         (Some(0), OnExitZero::Complete) => {
             tx.complete_task(cx.task_id, Some(cx.run_id), None, now)?;
+            return Ok(());
         }
-        (Some(0), OnExitZero::Crash) => {
-            let error = "exited 0 without reporting completion".to_string();
-            fail(
-                tx,
-                cx.run_id,
-                &cx.policy,
-                RunOutcome::Crashed,
-                Some(cx.exit),
-                error,
-                now,
-            )?;
-        }
+        (Some(0), OnExitZero::Crash) => "exited 0 without reporting completion".to_string(),
         _ => {
             let what = match (cx.exit.code, cx.exit.signal) {
                 (Some(c), _) => format!("exited with code {c}"),
@@ -242,22 +232,22 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: String, now: Millis) ->
                 }
                 _ => "exited; its exit status was lost".to_string(),
             };
-            let error = if tail.is_empty() {
+            if tail.is_empty() {
                 what
             } else {
                 format!("{what}; log tail: {tail}")
-            };
-            fail(
-                tx,
-                cx.run_id,
-                &cx.policy,
-                RunOutcome::Crashed,
-                Some(cx.exit),
-                error,
-                now,
-            )?;
+            }
         }
-    }
+    };
+    fail(
+        tx,
+        cx.run_id,
+        &cx.policy,
+        RunOutcome::Crashed,
+        Some(cx.exit),
+        error,
+        now,
+    )?;
     Ok(())
 }
 

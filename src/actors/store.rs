@@ -146,6 +146,31 @@ impl Store {
             .unwrap_or_else(|_| Err(StoreError::stopped()))
     }
 
+    /// Forwards every event committed from now on, in id order, to `on_event` (which returns
+    /// false once its receiver is gone), and the count of events missed to `on_lag` when a
+    /// slow subscriber fell more than the channel's capacity behind. Runs until the feed
+    /// closes or `on_event` says stop.
+    pub fn forward_events(
+        &self,
+        mut on_event: impl FnMut(Arc<Event>) -> bool + 'static,
+        mut on_lag: impl FnMut(u64) + 'static,
+    ) {
+        let mut feed = self.subscribe();
+        actix_rt::spawn(async move {
+            loop {
+                match feed.recv().await {
+                    Ok(ev) => {
+                        if !on_event(ev) {
+                            break;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => on_lag(n),
+                    Err(broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        });
+    }
+
     /// Every event committed from now on, in id order.
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
         self.events.subscribe()
