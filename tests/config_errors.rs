@@ -218,3 +218,51 @@ fn errors_from_a_file_name_the_file() {
     );
     assert!(!shown.contains('\n'), "{shown}");
 }
+
+#[test]
+fn absurd_durations_are_refused_naming_the_key() {
+    for (section, key) in [
+        ("[reaper]\n", "kill_timeout"),
+        ("[reaper]\n", "grace"),
+        ("[supervisor]\n", "tick"),
+        ("[leases]\n", "claim_ttl"),
+        ("[retries]\n", "backoff_max"),
+    ] {
+        for absurd in ["500000000000y", "101y", "18446744073709551615s"] {
+            let message = refused(&format!("{section}{key} = \"{absurd}\"\n"));
+            let header = section.trim();
+            assert!(
+                message.contains(&format!("{header} {key}: ")),
+                "{key} = {absurd}: {message}"
+            );
+            // Either refused as too long, or (beyond what humantime can even count) as invalid.
+            assert!(
+                message.contains("too long (max 100 years)") || message.contains("invalid"),
+                "{key} = {absurd}: {message}"
+            );
+        }
+    }
+    let message = refused("[reaper]\nkill_timeout = \"500000000000y\"\n");
+    assert!(
+        message.starts_with("[reaper] kill_timeout: too long (max 100 years)"),
+        "{message}"
+    );
+    let message = refused(&format!("{CODER}max_runtime = \"200y\"\n"));
+    assert!(
+        message.contains("[assignees.coder] max_runtime: too long (max 100 years)"),
+        "{message}"
+    );
+    let message =
+        refused("[[hooks]]\non = [\"completed\"]\ncommand = [\"true\"]\ntimeout = \"1000y\"\n");
+    assert!(message.contains("too long (max 100 years)"), "{message}");
+}
+
+#[test]
+fn a_hundred_years_is_still_accepted() {
+    let config = Config::from_toml_str("[reaper]\nkill_timeout = \"100y\"\n", Path::new("/tmp"))
+        .expect("100y is within the bound");
+    assert_eq!(
+        config.reaper.kill_timeout,
+        std::time::Duration::from_secs(100 * 31_557_600)
+    );
+}

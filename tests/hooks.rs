@@ -266,3 +266,62 @@ fn a_failing_hook_is_logged_never_fatal() {
         serve.stderr()
     );
 }
+
+#[test]
+fn a_hook_that_never_reads_a_big_payload_is_still_killed_at_its_timeout() {
+    use runwarden::Supervisor;
+    use runwarden::config::HookConfig;
+    use runwarden::process::{Liveness, fingerprint, liveness};
+
+    let td = TestDir::new();
+    let out = td.path().join("hook-out");
+    fs::create_dir_all(&out).unwrap();
+    let mut config = common::runtime::lib_config(&td);
+    // Never reads its stdin: a payload over the pipe buffer (64 KiB) can never be written whole.
+    let slow = format!(
+        "echo $$ > {dir}/slow-$RUNWARDEN_EVENT_TASK_ID.pid; exec sleep 300",
+        dir = out.display()
+    );
+    // Reads its stdin whole; by rename, so a `.json` file is complete.
+    let marker = format!(
+        "cat > {dir}/t-$RUNWARDEN_EVENT_TASK_ID.tmp && \
+         mv {dir}/t-$RUNWARDEN_EVENT_TASK_ID.tmp {dir}/t-$RUNWARDEN_EVENT_TASK_ID.json",
+        dir = out.display()
+    );
+    config.hooks = vec![
+        HookConfig {
+            timeout: Duration::from_millis(500),
+            ..HookConfig::new(["completed"], ["sh", "-c", &slow])
+        },
+        HookConfig::new(["completed"], ["sh", "-c", &marker]),
+    ];
+    let sup = Supervisor::start(config).expect("start the supervisor");
+    // No assignee: the tasks are never dispatched, only completed from the library.
+    let big_task = sup.add_task(NewTask::titled("big")).unwrap().id;
+    let big = "x".repeat(100 * 1024);
+    sup.complete(big_task, Some(big.clone())).unwrap();
+
+    let pid_file = out.join(format!("slow-{big_task}.pid"));
+    let pid = wait_pid_file(&pid_file, SETTLE);
+    let fp = fingerprint(pid).expect("fingerprint of the slow hook");
+    // Whatever happens below, it is ended by pid through a verified pidfd.
+    let _pin = WorkerGuard::adopt(pid, &fp);
+    assert!(
+        wait_until(SETTLE, || matches!(liveness(pid, &fp), Liveness::Dead(_))),
+        "the hook outlived its timeout: {:?}",
+        liveness(pid, &fp)
+    );
+
+    // The hook that reads got the whole payload, and later hooks still run.
+    let json = |task: TaskId| out.join(format!("t-{task}.json"));
+    assert!(wait_until(SETTLE, || json(big_task).exists()));
+    let event: Event = serde_json::from_slice(&fs::read(json(big_task)).unwrap()).unwrap();
+    assert_eq!(event.payload["result"].as_str(), Some(big.as_str()));
+    let later = sup.add_task(NewTask::titled("later")).unwrap().id;
+    sup.complete(later, Some("small".into())).unwrap();
+    assert!(
+        wait_until(SETTLE, || json(later).exists()),
+        "a later hook never ran"
+    );
+    sup.shutdown();
+}

@@ -253,3 +253,73 @@ fn scopeguard(f: impl FnOnce()) -> impl Drop {
     }
     Guard(Some(f))
 }
+
+#[test]
+fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
+    use runwarden::process::descendants::{end_token_carriers, find_by_token, pidfds_by_token};
+
+    let token = format!("{:032x}", rand::random::<u128>());
+    let leader = ChildGuard::spawn(
+        Command::new("sh")
+            .args(["-c", r#"setsid sh -c "sleep 300" & sleep 300"#])
+            .env("RUNWARDEN_RUN_TOKEN", &token)
+            .stdin(Stdio::null())
+            .process_group(0),
+    )
+    .unwrap();
+    let pid = leader.pid();
+    // Whatever happens, every carrier is SIGKILLed through its own verified pidfd.
+    let cleanup_token = token.clone();
+    let _cleanup = scopeguard(move || {
+        for fd in pidfds_by_token(&cleanup_token) {
+            let _ = fd.signal(Signal::SIGKILL);
+        }
+    });
+    let alive = |token: &str| -> Vec<(Pid, Fingerprint)> {
+        find_by_token(token)
+            .into_iter()
+            .filter(|(p, fp)| liveness(*p, fp) == Liveness::Alive)
+            .collect()
+    };
+    // Both sleeps are up: one in the leader's group, one in a session of its own.
+    assert!(
+        wait_until(SETTLE, || {
+            let stats: Vec<_> = alive(&token)
+                .iter()
+                .filter_map(|(p, _)| read_stat(*p).ok())
+                .filter(|s| s.comm == "sleep")
+                .collect();
+            stats.iter().any(|s| s.pgrp == pid)
+                && stats
+                    .iter()
+                    .any(|s| s.session != read_stat(pid).unwrap().session)
+        }),
+        "the tree never came up: {:?}",
+        alive(&token)
+    );
+    let carriers = alive(&token);
+    assert!(carriers.len() >= 3, "{carriers:?}");
+
+    let signalled = end_token_carriers(&token, SETTLE);
+
+    assert!(signalled >= carriers.len(), "{signalled} < {carriers:?}");
+    for (p, fp) in &carriers {
+        assert!(
+            wait_until(SETTLE, || matches!(liveness(*p, fp), Liveness::Dead(_))),
+            "carrier {p} survived: {:?}",
+            liveness(*p, fp)
+        );
+    }
+    assert!(alive(&token).is_empty(), "{:?}", alive(&token));
+    // Reap the escapee's zombie if a parallel test made us its subreaper.
+    let pids: Vec<Pid> = carriers.iter().map(|(p, _)| *p).collect();
+    reap_orphans(&|p| !pids.contains(&p) || p == pid);
+}
+
+#[test]
+fn end_token_carriers_with_an_empty_or_unknown_token_signals_nothing() {
+    use runwarden::process::descendants::end_token_carriers;
+    assert_eq!(end_token_carriers("", Duration::from_millis(10)), 0);
+    let token = format!("{:032x}", rand::random::<u128>());
+    assert_eq!(end_token_carriers(&token, Duration::MAX), 0);
+}

@@ -149,7 +149,17 @@ fn a_worker_hanging_after_completion_is_ended_grace_after_the_close() {
     let reaped = reaped.unwrap();
     assert_reaped_event(&reaped, pid, &fp);
 
-    let detail = sup.task(id).expect("task detail");
+    // The leader's exit is recorded at once; the evidence is cleared once the rest of its
+    // group is confirmed ended (a moment later, off the actor thread).
+    let mut detail = sup.task(id).expect("task detail");
+    assert!(
+        wait_until(SETTLE, || {
+            detail = sup.task(id).expect("task detail");
+            detail.runs.first().is_some_and(|r| r.worker_pid.is_none())
+        }),
+        "evidence never cleared: {:?}",
+        detail.runs
+    );
     assert_eq!(detail.task.status, TaskStatus::Done);
     assert_eq!(detail.task.result.as_deref(), Some("ok"));
     assert_eq!(detail.runs.len(), 1, "{:?}", detail.runs);

@@ -25,8 +25,9 @@ const READS_SRC: &str = include_str!("../src/board/reads.rs");
 
 /// `Tx::terminal_reap_candidates` (src/board/reaper.rs).
 const TERMINAL_REAP_CANDIDATES: &str = "SELECT id, task_id, worker_pid, worker_boot_id, \
-     worker_start_ticks, ended_at FROM task_runs \
+     worker_start_ticks, ended_at, token FROM task_runs \
      WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL AND ended_at <= ?1 \
+     AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END \
      AND worker_boot_id IS NOT NULL AND worker_start_ticks IS NOT NULL ORDER BY ended_at";
 /// `Tx::open_runs` (src/board/reads.rs), with the column list it formats in.
 const OPEN_RUNS: &str = "SELECT id, task_id, attempt, assignee, token, claimer, outcome, \
@@ -48,6 +49,10 @@ const SOURCE_FRAGMENTS: &[(&str, &str)] = &[
         "AND worker_boot_id IS NOT NULL AND worker_start_ticks IS NOT NULL",
     ),
     (REAPER_SRC, "ORDER BY ended_at\""),
+    (
+        REAPER_SRC,
+        "AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END",
+    ),
     (
         READS_SRC,
         "\"SELECT {RUN_COLS} FROM task_runs WHERE ended_at IS NULL ORDER BY id\"",
@@ -85,6 +90,7 @@ fn build_history(board: &mut Board, n: usize, now: i64) {
                                 code: Some(0),
                                 signal: None,
                             },
+                            false,
                             now,
                         )?;
                     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 
-use super::outcome::ExitPolicy;
+use super::outcome::{self, ExitPolicy};
 use super::reaper::{ReaperActor, RunClosed, WorkerGone};
 use super::spawn::{self, SpawnSpec};
 use super::store::Store;
@@ -19,6 +19,9 @@ use super::worker::{Terminate, TerminateReason, WorkerActor};
 use crate::board::{self, Claim, Event, RunId, RunOutcome, Task, TaskId, now_millis};
 use crate::config::Config;
 use crate::process::{self, Fingerprint};
+
+/// How long a claim of this incarnation without a WorkerActor yet is taken as still starting.
+const JUST_CLAIMED_MS: i64 = 30_000;
 
 /// Board events that never change what can be claimed.
 const QUIET_KINDS: &[&str] = &[
@@ -149,6 +152,48 @@ pub fn claim_ready(
 #[rtype(result = "()")]
 pub struct Claimed(pub Vec<(Claim, Task)>);
 
+/// What reconcile learned about an open run's worker (computed off the actor thread).
+enum Probe {
+    /// A live WorkerActor of ours owns it, or ours just claimed it.
+    Ours,
+    /// Its recorded worker is alive and verified through this pidfd.
+    Verified(process::PidFd, process::Fingerprint),
+    /// Its recorded worker is dead, recycled, unreadable, or has no fingerprint.
+    NotVerified(process::Liveness),
+    /// No worker was ever recorded; `leader` is a process carrying the run's token that leads
+    /// its own group (the worker, started but not recorded), if any.
+    Unstarted {
+        leader: Option<(i32, process::Fingerprint)>,
+    },
+}
+
+impl Probe {
+    /// Probes the worker of a run no actor of ours owns. Blocking (/proc).
+    fn of(run: &board::Run) -> Probe {
+        match (
+            run.worker_pid.and_then(|p| i32::try_from(p).ok()),
+            run.fingerprint(),
+        ) {
+            (Some(pid), Some(fp)) => match process::open_verified(pid, &fp) {
+                Ok(process::Verified::Ours(pidfd)) => Probe::Verified(pidfd, fp),
+                Ok(process::Verified::NotOurs(l)) => Probe::NotVerified(l),
+                Err(e) => Probe::NotVerified(process::Liveness::Unknown(e.to_string())),
+            },
+            (Some(_), None) => Probe::NotVerified(process::Liveness::Unknown(
+                "no fingerprint recorded (legacy row)".into(),
+            )),
+            (None, _) if run.spawned_pid.is_some() => {
+                Probe::NotVerified(process::Liveness::Dead(process::DeadReason::NoSuchProcess))
+            }
+            (None, _) => Probe::Unstarted {
+                leader: process::descendants::find_by_token(&run.token)
+                    .into_iter()
+                    .find(|(pid, _)| process::read_stat(*pid).is_ok_and(|s| s.pgrp == *pid)),
+            },
+        }
+    }
+}
+
 struct Worker {
     addr: Addr<WorkerActor>,
     task_id: TaskId,
@@ -248,11 +293,7 @@ impl DispatcherActor {
         .map(|res, act, ctx| {
             act.in_pass = false;
             match res {
-                Ok(claimed) => {
-                    for (claim, task) in claimed {
-                        act.start_worker(claim, task, ctx);
-                    }
-                }
+                Ok(claimed) => act.start_claimed(claimed, ctx),
                 Err(e) => tracing::warn!(error = %e, "dispatch pass failed"),
             }
             if std::mem::take(&mut act.again) {
@@ -260,6 +301,33 @@ impl DispatcherActor {
             }
         })
         .spawn(ctx);
+    }
+
+    /// Starts the workers of freshly claimed runs — unless shutdown began meanwhile (a pass or
+    /// an exit's claim committed just before it): then the tasks go back, no failure counted.
+    fn start_claimed(&mut self, claimed: Vec<(Claim, Task)>, ctx: &mut Context<Self>) {
+        if self.accepting {
+            for (claim, task) in claimed {
+                self.start_worker(claim, task, ctx);
+            }
+            return;
+        }
+        if claimed.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        actix_rt::spawn(async move {
+            let _ = store
+                .with_tx(move |tx, now| {
+                    for (claim, _) in claimed {
+                        let _ = tx.nested(|tx| {
+                            tx.reclaim_task(claim.task_id, "supervisor shutdown", now)
+                        });
+                    }
+                    Ok(())
+                })
+                .await;
+        });
     }
 
     fn start_worker(&mut self, claim: Claim, task: Task, ctx: &mut Context<Self>) {
@@ -288,7 +356,10 @@ impl DispatcherActor {
         pid: Option<i32>,
         token: String,
     ) {
-        let addr = worker.with_claim_on_close(self.claim_params()).start();
+        let addr = worker
+            .with_claim_on_close(self.claim_params())
+            .with_grace(self.config.reaper.grace)
+            .start();
         self.workers.insert(
             run_id,
             Worker {
@@ -298,6 +369,15 @@ impl DispatcherActor {
                 token,
             },
         );
+    }
+
+    /// The exit policy for `task`'s assignee (the config's defaults if it is gone).
+    fn policy_for(&self, task: &Task) -> ExitPolicy {
+        task.assignee
+            .as_deref()
+            .and_then(|a| self.config.assignee(a))
+            .map(|a| ExitPolicy::new(&self.config, a))
+            .unwrap_or_else(|| ExitPolicy::defaults(&self.config))
     }
 
     /// Spawn spec, exit policy and max runtime of a run of `task` under the current config.
@@ -404,14 +484,26 @@ impl DispatcherActor {
         }
         self.reconciling = true;
         let store = self.store.clone();
+        // Probing liveness reads /proc (and, for an unstarted run, scans every process's
+        // environment): that happens here, on the blocking pool, never on the actor thread.
+        let ours: std::collections::HashSet<RunId> = self.workers.keys().copied().collect();
+        let claimer = self.claimer.clone();
         async move {
             store
-                .read(|tx| {
+                .read(move |tx| {
                     let runs = tx.open_runs()?;
+                    let now = now_millis();
                     let mut out = Vec::with_capacity(runs.len());
                     for run in runs {
                         let task = tx.get_task(run.task_id)?;
-                        out.push((run, task));
+                        let just_claimed =
+                            run.claimer == claimer && now - run.started_at < JUST_CLAIMED_MS;
+                        let probe = if ours.contains(&run.id) || just_claimed {
+                            Probe::Ours
+                        } else {
+                            Probe::of(&run)
+                        };
+                        out.push((run, task, probe));
                     }
                     Ok(out)
                 })
@@ -428,33 +520,34 @@ impl DispatcherActor {
         .spawn(ctx);
     }
 
-    fn reconcile_runs(&mut self, runs: Vec<(board::Run, Task)>, ctx: &mut Context<Self>) {
+    fn reconcile_runs(&mut self, runs: Vec<(board::Run, Task, Probe)>, ctx: &mut Context<Self>) {
         let now = now_millis();
         let ttl = self.config.leases.claim_ttl;
         let stale_after = self.config.leases.stale_after;
         let mut ours = Vec::new();
         let mut stale = Vec::new();
         self.held
-            .retain(|run_id, _| runs.iter().any(|(r, _)| r.id == *run_id));
+            .retain(|run_id, _| runs.iter().any(|(r, _, _)| r.id == *run_id));
         self.closing
-            .retain(|run_id| runs.iter().any(|(r, _)| r.id == *run_id));
-        for (run, task) in runs {
-            if self.workers.contains_key(&run.id) || run.claimer == self.claimer {
+            .retain(|run_id| runs.iter().any(|(r, _, _)| r.id == *run_id));
+        for (run, task, probe) in runs {
+            // Ours: a live WorkerActor, or a claim of this incarnation young enough that its
+            // actor may not have started yet (the claim's reply is still on its way). Anything
+            // else of ours without an actor (its exit could not be recorded) is reconciled like
+            // a foreign run.
+            if self.workers.contains_key(&run.id) || matches!(probe, Probe::Ours) {
                 if !stale_after.is_zero() {
                     let last = run.heartbeat_at.unwrap_or(run.started_at);
                     if now - last > stale_after.as_millis() as i64 {
                         // A stale run is a failure of its task like any other: its assignee's
                         // max_retries and backoff apply (not the global default, not zero).
-                        let policy = self
-                            .worker_setup(&task, run.id, String::new())
-                            .map(|(_, p, _)| p);
-                        stale.push((run.id, policy));
+                        stale.push((run.id, self.policy_for(&task)));
                     }
                 }
                 ours.push(run.id);
                 continue;
             }
-            self.take_over(run, task, now, ctx);
+            self.take_over(run, task, probe, now, ctx);
         }
         // Our own live children vouch for their leases (a heartbeat extends them too).
         let due = self
@@ -463,7 +556,6 @@ impl DispatcherActor {
         if (due && !ours.is_empty()) || !stale.is_empty() {
             self.last_lease_refresh = Some(std::time::Instant::now());
             let (store, lease_ms) = (self.store.clone(), ttl.as_millis() as i64);
-            let policy_retries = i64::from(self.config.retries.max_retries);
             let error = format!(
                 "no heartbeat for {}",
                 humantime::format_duration(stale_after)
@@ -475,28 +567,18 @@ impl DispatcherActor {
                             tx.extend_lease(run_id, now, lease_ms)?;
                         }
                         for (run_id, policy) in stale {
-                            let (max_retries, backoff_ms) = match &policy {
-                                Some(p) => {
-                                    let failures = tx
-                                        .get_run(run_id)
-                                        .and_then(|r| tx.get_task(r.task_id))?
-                                        .consecutive_failures;
-                                    (i64::from(p.max_retries), p.backoff_ms(failures + 1))
-                                }
-                                None => (policy_retries, 0),
-                            };
                             // Closing the run is what ends the worker (run_closed → reaper, no grace).
-                            let failure = board::Failure {
-                                outcome: RunOutcome::Stale,
-                                exit_code: None,
-                                exit_signal: None,
-                                error: error.clone(),
-                                default_max_retries: max_retries,
-                                backoff_ms,
-                                counts: true,
-                                give_up_now: false,
-                            };
-                            let _ = tx.nested(|tx| tx.fail_run(run_id, &failure, now));
+                            let _ = tx.nested(|tx| {
+                                outcome::fail(
+                                    tx,
+                                    run_id,
+                                    &policy,
+                                    RunOutcome::Stale,
+                                    None,
+                                    error.clone(),
+                                    now,
+                                )
+                            });
                         }
                         Ok(())
                     })
@@ -513,6 +595,7 @@ impl DispatcherActor {
         &mut self,
         run: board::Run,
         task: Task,
+        probe: Probe,
         now: board::Millis,
         ctx: &mut Context<Self>,
     ) {
@@ -521,38 +604,50 @@ impl DispatcherActor {
             return;
         }
         let lease_expired = run.lease_expires_at <= now;
-        let verdict = match (run.worker_pid, run.fingerprint()) {
-            (Some(pid), Some(fp)) => match process::open_verified(pid as i32, &fp) {
-                Ok(process::Verified::Ours(pidfd)) => Ok((pidfd, fp)),
-                Ok(process::Verified::NotOurs(l)) => Err(l),
-                Err(e) => Err(process::Liveness::Unknown(e.to_string())),
-            },
-            (Some(_), None) => Err(process::Liveness::Unknown(
-                "no fingerprint recorded (legacy row)".into(),
-            )),
-            (None, _) if run.spawned_pid.is_some() => {
-                Err(process::Liveness::Dead(process::DeadReason::NoSuchProcess))
-            }
-            (None, _) => {
-                // Claimed by an incarnation that died before recording its worker: nothing can
-                // be running under this run that we could ever find, so release it.
+        let verdict = match probe {
+            Probe::Ours => return,
+            Probe::Verified(pidfd, fp) => Ok((pidfd, fp)),
+            Probe::NotVerified(l) => Err(l),
+            Probe::Unstarted { leader } => {
                 self.closing.insert(run_id);
                 let store = self.store.clone();
-                actix_rt::spawn(async move {
-                    let r = store
-                        .with_tx(move |tx, now| {
-                            tx.reclaim_task(
-                                run.task_id,
-                                "claimed by a supervisor that died before starting the worker",
-                                now,
-                            )
-                            .map(|_| ())
-                        })
-                        .await;
+                let kill = self.config.reaper.kill_timeout;
+                async move {
+                    let r = match leader {
+                        // Its worker was started but never recorded (the incarnation died
+                        // between fork and commit): record it now; the next tick adopts it.
+                        Some((pid, fp)) => {
+                            store
+                                .with_tx(move |tx, now| {
+                                    tx.set_worker(run_id, pid, Some(&fp), now)?;
+                                    tx.append_event(Some(run.task_id), Some(run_id), "worker_found", serde_json::json!({ "pid": pid, "by": "run token" }), now)?;
+                                    Ok(())
+                                })
+                                .await
+                        }
+                        // Nothing (left) runs under this run: end any straggler, then release.
+                        None => {
+                            let token = run.token.clone();
+                            let _ = actix_rt::task::spawn_blocking(move || process::descendants::end_token_carriers(&token, kill)).await;
+                            store
+                                .with_tx(move |tx, now| {
+                                    tx.reclaim_task(run.task_id, "claimed by a supervisor that died before starting the worker", now)
+                                        .map(|_| ())
+                                })
+                                .await
+                        }
+                    };
                     if let Err(e) = r {
-                        tracing::warn!(run_id, error = %e, "reconcile: cannot release unstarted run");
+                        tracing::warn!(run_id, error = %e, "reconcile: cannot settle an unstarted run");
                     }
-                });
+                }
+                .into_actor(self)
+                // Settled (or not): the next reconcile looks at the run afresh — and adopts a
+                // worker just recorded.
+                .map(move |_, act, _| {
+                    act.closing.remove(&run_id);
+                })
+                .spawn(ctx);
                 return;
             }
         };
@@ -597,12 +692,16 @@ impl DispatcherActor {
             Err(process::Liveness::Dead(reason)) => {
                 self.held.remove(&run_id);
                 self.closing.insert(run_id);
-                let policy = self
-                    .worker_setup(&task, run_id, String::new())
-                    .map(|(_, p, _)| p);
-                let default_retries = i64::from(self.config.retries.max_retries);
+                let policy = self.policy_for(&task);
                 let store = self.store.clone();
+                let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
                 actix_rt::spawn(async move {
+                    // The leader is gone, but what it left (group members, setsid escapees)
+                    // still carries the run's token: end it before the task can run again.
+                    let _ = actix_rt::task::spawn_blocking(move || {
+                        process::descendants::end_token_carriers(&token, kill)
+                    })
+                    .await;
                     let r = store
                         .with_tx(move |tx, now| {
                             tx.record_worker_exit(
@@ -611,30 +710,20 @@ impl DispatcherActor {
                                     code: None,
                                     signal: None,
                                 },
+                                false,
                                 now,
                             )?;
-                            let task = tx.get_task(run.task_id)?;
-                            let (max, backoff_ms) = match &policy {
-                                Some(p) => (
-                                    i64::from(p.max_retries),
-                                    p.backoff_ms(task.consecutive_failures + 1),
-                                ),
-                                None => (default_retries, 0),
-                            };
-                            let failure = board::Failure {
-                                outcome: RunOutcome::Crashed,
-                                exit_code: None,
-                                exit_signal: None,
-                                error: format!(
-                                    "worker exited while unsupervised ({})",
-                                    reason.as_str()
-                                ),
-                                default_max_retries: max,
-                                backoff_ms,
-                                counts: true,
-                                give_up_now: false,
-                            };
-                            tx.fail_run(run_id, &failure, now).map(|_| ())
+                            let error =
+                                format!("worker exited while unsupervised ({})", reason.as_str());
+                            outcome::fail(
+                                tx,
+                                run_id,
+                                &policy,
+                                RunOutcome::Crashed,
+                                None,
+                                error,
+                                now,
+                            )
                         })
                         .await;
                     if let Err(e) = r {
@@ -782,26 +871,7 @@ impl Handler<BoardEvent> for DispatcherActor {
 impl Handler<Claimed> for DispatcherActor {
     type Result = ();
     fn handle(&mut self, msg: Claimed, ctx: &mut Self::Context) {
-        if self.accepting {
-            for (claim, task) in msg.0 {
-                self.start_worker(claim, task, ctx);
-            }
-            return;
-        }
-        // Claimed just before shutdown began: give the tasks back (no failure counted).
-        let store = self.store.clone();
-        actix_rt::spawn(async move {
-            let _ = store
-                .with_tx(move |tx, now| {
-                    for (claim, _) in msg.0 {
-                        let _ = tx.nested(|tx| {
-                            tx.reclaim_task(claim.task_id, "supervisor shutdown", now)
-                        });
-                    }
-                    Ok(())
-                })
-                .await;
-        });
+        self.start_claimed(msg.0, ctx);
     }
 }
 

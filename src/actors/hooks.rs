@@ -161,10 +161,20 @@ fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
     drop(owned);
     let pidfd = PidFd::open(pid).map_err(|e| e.to_string());
     if let Some(mut stdin) = child.stdin.take() {
-        let json = serde_json::to_string(ev).unwrap_or_default();
-        // A hook that does not read its stdin is fine (EPIPE ignored).
-        let _ = stdin.write_all(json.as_bytes());
-        let _ = stdin.write_all(b"\n");
+        let mut json = serde_json::to_string(ev).unwrap_or_default();
+        json.push('\n');
+        // Written from its own thread, so the timeout below covers a hook that never reads its
+        // stdin while the event is larger than the pipe buffer: the write would block forever.
+        // Detached: it ends once the hook has read everything, or the pipe breaks (EPIPE,
+        // ignored) because the hook exited or was killed, its whole group with it.
+        let spawned = std::thread::Builder::new()
+            .name("hook-stdin".into())
+            .spawn(move || {
+                let _ = stdin.write_all(json.as_bytes());
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(command = ?hook.command, error = %e, "cannot start the hook's stdin writer; its stdin is closed");
+        }
     }
     let timed_out = match &pidfd {
         Ok(fd) => !fd.wait_exit(hook.timeout).unwrap_or(true),

@@ -32,6 +32,19 @@ pub struct ExitPolicy {
 }
 
 impl ExitPolicy {
+    /// The policy of an assignee no longer in the config (its runs still fail by the rules).
+    pub fn defaults(config: &Config) -> Self {
+        ExitPolicy {
+            on_exit_zero: OnExitZero::Complete,
+            retry_exit_codes: Vec::new(),
+            fail_exit_codes: Vec::new(),
+            retry_cooldown: Duration::ZERO,
+            max_retries: config.retries.max_retries,
+            backoff: config.retries.backoff,
+            backoff_max: config.retries.backoff_max,
+        }
+    }
+
     /// The policy for `assignee` under `config`.
     pub fn new(config: &Config, assignee: &AssigneeConfig) -> Self {
         ExitPolicy {
@@ -87,7 +100,9 @@ impl ExitPolicy {
 }
 
 /// Closes `run_id` as failed under `policy` (reads the task's failure count in the same tx).
-fn fail(
+/// Closes `run_id` as failed under `policy` (reads the task's failure count in the same tx):
+/// the one place a failure's retry and backoff are decided.
+pub fn fail(
     tx: &Tx<'_>,
     run_id: RunId,
     policy: &ExitPolicy,
@@ -126,19 +141,22 @@ pub async fn record_spawn_failure(
 }
 
 /// Records a max-runtime overrun: the run closes `timed_out` (if still open) before the kill.
+/// True if this closed the run (only then is the worker ended at once).
 pub async fn record_timeout(
     store: &Store,
     run_id: RunId,
     policy: ExitPolicy,
     error: String,
-) -> Result<(), StoreError> {
+) -> Result<bool, StoreError> {
     store
         .with_tx(move |tx, now| {
             let run = tx.get_run(run_id)?;
             if !run.is_open() {
-                return Ok(());
+                // Closed already (the worker reported just in time): its worker now belongs to
+                // the grace rules, not to the timeout.
+                return Ok(false);
             }
-            fail(tx, run_id, &policy, RunOutcome::TimedOut, None, error, now)
+            fail(tx, run_id, &policy, RunOutcome::TimedOut, None, error, now).map(|_| true)
         })
         .await
 }
@@ -154,6 +172,8 @@ pub struct ExitContext {
     pub terminated: Option<TerminateReason>,
     /// A previous incarnation's worker (not our child: its status is not ours to read).
     pub adopted: bool,
+    /// The leader's group (or descendants) still run: keep the evidence until they are ended.
+    pub group_alive: bool,
     pub log_path: PathBuf,
     pub policy: ExitPolicy,
     /// Claim the next ready task(s) for the freed slot in the same transaction.
@@ -175,8 +195,14 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Vec<(Claim, T
     store
         .with_tx(move |tx, now| {
             close_after_exit(tx, &cx, tail, now)?;
+            // In a savepoint of its own: a failed claim must not undo the recorded exit.
             match &cx.claim_next {
-                Some(params) => claim_ready(tx, now, params),
+                Some(params) => Ok(tx.nested(|tx| claim_ready(tx, now, params)).unwrap_or_else(
+                    |e| {
+                        tracing::warn!(error = %e, "claim on close failed; the next pass claims");
+                        Vec::new()
+                    },
+                )),
                 None => Ok(Vec::new()),
             }
         })
@@ -190,7 +216,7 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: String, now: Millis) ->
         // history keeps the pid (the later set_worker is then refused as a duplicate).
         tx.set_worker(cx.run_id, cx.pid, cx.fingerprint.as_ref(), now)?;
     }
-    let run = tx.record_worker_exit(cx.run_id, cx.exit, now)?;
+    let run = tx.record_worker_exit(cx.run_id, cx.exit, cx.group_alive, now)?;
     if cx.terminated == Some(TerminateReason::TerminalReap) {
         let ended_by = if cx.exit.signal == Some(libc::SIGKILL) {
             "sigkill"

@@ -129,6 +129,8 @@ impl ReaperActor {
                 pid: msg.pid,
                 fingerprint: msg.fingerprint,
                 ended_at: msg.ended_at,
+                // The event feed carries no tokens; the board sweep's candidates do.
+                token: None,
             },
             ctx,
         );
@@ -176,8 +178,9 @@ impl ReaperActor {
         let grace_ms = self.grace.as_millis() as i64;
         let store = self.store.clone();
         async move {
+            // A read: the read-only connection, not a write transaction on every tick.
             store
-                .with_tx(move |tx, now| tx.terminal_reap_candidates(now, grace_ms))
+                .read(move |tx| tx.terminal_reap_candidates(board::now_millis(), grace_ms))
                 .await
         }
         .into_actor(self)

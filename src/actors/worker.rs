@@ -14,8 +14,8 @@ use super::dispatcher::{ClaimParams, Claimed, DispatcherActor, WorkerFinished};
 use super::outcome::{self, ExitPolicy};
 use super::spawn::{self, SpawnSpec};
 use super::store::Store;
-use crate::board::{self, ExitInfo, RunId, TaskId};
-use crate::process::{self, ExitStatus, Fingerprint, PidFd, Signal, descendants};
+use crate::board::{self, ExitInfo, RunId, RunOutcome, TaskId};
+use crate::process::{self, ExitStatus, Fingerprint, PidFd, descendants};
 
 /// Why a worker is being ended; decides what its exit records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +40,9 @@ pub struct Terminate {
 #[derive(Message)]
 #[rtype(result = "()")]
 struct LeaderExited;
+
+/// Extra attempts at recording an exit the store refused.
+const EXIT_RECORD_RETRIES: u32 = 5;
 
 /// Borrowed view of the pidfd for tokio's reactor.
 struct Watch(Arc<PidFd>);
@@ -69,6 +72,8 @@ pub struct WorkerActor {
     exit_recorded: bool,
     /// Claim the next task in the transaction that records this worker's exit.
     claim_on_close: Option<ClaimParams>,
+    /// How long a worker whose run closed by its own report may live on.
+    grace: Duration,
 }
 
 impl WorkerActor {
@@ -95,6 +100,7 @@ impl WorkerActor {
             adopted_started_at: None,
             exit_recorded: false,
             claim_on_close: None,
+            grace: Duration::ZERO,
         }
     }
 
@@ -139,6 +145,12 @@ impl WorkerActor {
             });
         }
         self.watch(ctx);
+    }
+
+    /// The reaper's grace, for a run that closes by its own report before its evidence lands.
+    pub fn with_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
     }
 
     /// Lets this worker's exit refill its slot (see [`ClaimParams`]).
@@ -241,13 +253,13 @@ impl WorkerActor {
                 signal: None,
             },
         };
-        // The leader is gone; anything left in its group is a leak nobody will clean up.
-        // (Descendants that escaped the group are re-parented to us and ended by the
-        // dispatcher's tick once no live run claims their token.)
-        // Signal 0 through the pidfd first (cheap); the /proc scan that ignores zombies only
-        // when the group still has members.
-        if pidfd.group_exists().unwrap_or(true) && process::group_alive(pidfd.pid()) {
-            self.end_tree(pidfd.clone());
+        // The leader is gone; anything left in its group is a leak nobody will clean up. The
+        // probe is one syscall (signal 0 through the pidfd), fine on the actor thread; when it
+        // finds members, the run keeps its evidence (so its task cannot be claimed again beside
+        // them) until the tree has been ended off this thread and the evidence cleared.
+        let group_alive = pidfd.group_exists().unwrap_or(true);
+        if group_alive {
+            self.end_tree(pidfd.clone(), true);
         }
         let store = self.store.clone();
         let ctx_in = outcome::ExitContext {
@@ -258,30 +270,78 @@ impl WorkerActor {
             fingerprint: self.fingerprint.clone(),
             terminated: self.terminating,
             adopted: self.adopted_started_at.is_some(),
+            group_alive,
             log_path: self.spec.log_path.clone(),
             policy: self.policy.clone(),
             claim_next: self.claim_on_close.clone(),
         };
-        async move { outcome::record_exit(&store, ctx_in).await }
-            .into_actor(self)
-            .map(|res, act, ctx| {
-                match res {
-                    Ok(claims) if !claims.is_empty() => act.dispatcher.do_send(Claimed(claims)),
-                    Ok(_) => {}
-                    Err(e) => tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record exit"),
+        async move {
+            // A refused commit (the board busy past its timeout, a full disk) is retried: an
+            // unrecorded exit would leave the run open with nobody watching it.
+            let mut attempt = 0;
+            loop {
+                match outcome::record_exit(&store, ctx_in.clone()).await {
+                    Err(e) if attempt < EXIT_RECORD_RETRIES => {
+                        attempt += 1;
+                        tracing::warn!(run_id = ctx_in.run_id, error = %e, attempt, "worker: exit not recorded; retrying");
+                        tokio::time::sleep(Duration::from_secs(attempt as u64)).await;
+                    }
+                    other => return other,
                 }
-                act.finish(ctx);
-            })
-            .wait(ctx);
+            }
+        }
+        .into_actor(self)
+        .map(|res, act, ctx| {
+            match res {
+                Ok(claims) if !claims.is_empty() => act.dispatcher.do_send(Claimed(claims)),
+                Ok(_) => {}
+                Err(e) => tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record exit; the next supervisor's reconcile will close the run"),
+            }
+            act.finish(ctx);
+        })
+        .wait(ctx);
     }
 
     /// Ends the worker's whole tree (group + token-carrying descendants) on the blocking pool:
-    /// blocking waits never run on an actor thread.
-    fn end_tree(&self, pidfd: Arc<PidFd>) {
+    /// blocking waits never run on an actor thread. With `then_clear`, the run's evidence is
+    /// cleared once the tree is gone (the leader exited before its group did).
+    fn end_tree(&self, pidfd: Arc<PidFd>, then_clear: bool) {
         let (run_id, token, kill) = (self.run_id(), self.spec.token.clone(), self.kill_timeout);
-        actix_rt::task::spawn_blocking(move || {
-            if let Err(e) = descendants::terminate_tree(&pidfd, &token, kill) {
-                tracing::warn!(run_id, error = %e, "worker: terminate failed");
+        let (store, fp) = (self.store.clone(), self.fingerprint.clone());
+        actix_rt::spawn(async move {
+            let pid = pidfd.pid();
+            let ended = actix_rt::task::spawn_blocking(move || {
+                descendants::terminate_tree(&pidfd, &token, kill)
+            })
+            .await;
+            let how = match ended {
+                Ok(Ok(how)) => how.as_str(),
+                Ok(Err(e)) => {
+                    tracing::warn!(run_id, error = %e, "worker: terminate failed; evidence kept for the reaper");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(run_id, error = %e, "worker: terminate task failed");
+                    return;
+                }
+            };
+            if then_clear {
+                let payload = serde_json::json!({ "pid": pid, "ended_by": how });
+                let cleared = store
+                    .with_tx(move |tx, now| {
+                        tx.clear_worker_evidence(
+                            run_id,
+                            pid,
+                            fp.as_ref(),
+                            "worker_group_ended",
+                            payload,
+                            now,
+                        )
+                    })
+                    .await;
+                if let Err(e) = cleared {
+                    tracing::warn!(run_id, error = %e, "worker: cannot clear evidence after ending the group");
+                }
             }
         });
     }
@@ -356,10 +416,28 @@ impl WorkerActor {
                 .await
         }
         .into_actor(self)
-        .map(|res, act, ctx| {
-            if let Err(e) = res
-                && !act.exit_recorded
-            {
+        .map(|res, act, ctx| match res {
+            Ok(None) => {}
+            // The run closed before its evidence landed: archived or reclaimed between claim
+            // and spawn (end it now), or a fast report (end it after the grace, if alive).
+            Ok(Some((outcome, ended_at))) => {
+                if matches!(outcome, RunOutcome::Completed | RunOutcome::Blocked) {
+                    let due = ended_at + act.grace.as_millis() as i64;
+                    let delay = Duration::from_millis(due.saturating_sub(board::now_millis()).max(0) as u64);
+                    ctx.run_later(delay, |act, ctx| {
+                        ctx.notify(Terminate {
+                            kill_after: act.kill_timeout,
+                            reason: TerminateReason::TerminalReap,
+                        })
+                    });
+                } else {
+                    ctx.notify(Terminate {
+                        kill_after: act.kill_timeout,
+                        reason: TerminateReason::RunClosed,
+                    });
+                }
+            }
+            Err(e) if !act.exit_recorded => {
                 // Not recorded means not reachable after a restart: do not keep it running.
                 tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record pid; ending it");
                 ctx.notify(Terminate {
@@ -367,6 +445,7 @@ impl WorkerActor {
                     reason: TerminateReason::RunClosed,
                 });
             }
+            Err(_) => {}
         })
         .spawn(ctx);
         self.dispatcher.do_send(super::dispatcher::WorkerSpawned {
@@ -396,14 +475,20 @@ impl WorkerActor {
         );
         async move { outcome::record_timeout(&store, run_id, policy, error).await }
             .into_actor(self)
-            .map(|res, act, ctx| {
-                if let Err(e) = res {
-                    tracing::warn!(run_id = act.run_id(), error = %e, "worker: timeout not recorded");
-                }
-                ctx.notify(Terminate {
+            .map(|res, act, ctx| match res {
+                Ok(true) => ctx.notify(Terminate {
                     kill_after: act.kill_timeout,
                     reason: TerminateReason::RunClosed,
-                });
+                }),
+                Ok(false) => {}
+                // Not recorded: still end it (the limit is the limit); the exit closes the run.
+                Err(e) => {
+                    tracing::warn!(run_id = act.run_id(), error = %e, "worker: timeout not recorded");
+                    ctx.notify(Terminate {
+                        kill_after: act.kill_timeout,
+                        reason: TerminateReason::RunClosed,
+                    });
+                }
             })
             .wait(ctx);
     }
@@ -457,19 +542,6 @@ impl Handler<Terminate> for WorkerActor {
         self.terminating = Some(msg.reason);
         tracing::info!(run_id = self.run_id(), pid = pidfd.pid(), reason = ?msg.reason, "worker: terminating group");
         self.kill_timeout = msg.kill_after;
-        self.end_tree(pidfd);
-    }
-}
-
-/// Sends `sig` to the worker's group (operator signals; tests).
-#[derive(Message)]
-#[rtype(result = "Result<(), String>")]
-pub struct SignalGroup(pub Signal);
-
-impl Handler<SignalGroup> for WorkerActor {
-    type Result = Result<(), String>;
-    fn handle(&mut self, msg: SignalGroup, _: &mut Self::Context) -> Self::Result {
-        let pidfd = self.pidfd.as_ref().ok_or("worker has no process")?;
-        pidfd.signal_group(msg.0).map_err(|e| e.to_string())
+        self.end_tree(pidfd, false);
     }
 }

@@ -22,6 +22,8 @@ pub struct ReapCandidate {
     pub pid: i32,
     pub fingerprint: Fingerprint,
     pub ended_at: Millis,
+    /// The run's token, to find descendants that escaped the worker's group.
+    pub token: Option<String>,
 }
 
 /// What happened to one candidate; the evidence is cleared for every verdict but `Unknown`.
@@ -38,34 +40,53 @@ pub enum ReapVerdict {
 }
 
 impl Tx<'_> {
-    /// Closed runs with worker evidence whose run ended at or before `now - grace`. Rows without
-    /// a complete fingerprint (legacy) are never selected. Uses the `runs_evidence` partial index,
-    /// so the cost follows the rows still holding evidence, not the history.
+    /// Closed runs with worker evidence whose worker is due: a run its worker closed itself
+    /// (`completed`, `blocked`) after `grace`, a run closed by force (archived, reclaimed,
+    /// timed out, stale, crashed) at once. Rows without a complete fingerprint (legacy) are
+    /// never selected. Uses the `runs_evidence` partial index, so the cost follows the rows
+    /// still holding evidence, not the history. A row that cannot be decoded is logged and
+    /// skipped, never allowed to stop the sweep.
     pub fn terminal_reap_candidates(
         &self,
         now: Millis,
         grace_ms: i64,
     ) -> Result<Vec<ReapCandidate>> {
         let mut stmt = self.conn.prepare_cached(
-            "SELECT id, task_id, worker_pid, worker_boot_id, worker_start_ticks, ended_at \
+            "SELECT id, task_id, worker_pid, worker_boot_id, worker_start_ticks, ended_at, token \
              FROM task_runs \
              WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL AND ended_at <= ?1 \
+               AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END \
                AND worker_boot_id IS NOT NULL AND worker_start_ticks IS NOT NULL \
              ORDER BY ended_at",
         )?;
-        let rows = stmt.query_map(params![now - grace_ms], |r| {
+        let rows = stmt.query_map(params![now, grace_ms], |r| {
             Ok(ReapCandidate {
                 run_id: r.get(0)?,
                 task_id: r.get(1)?,
                 pid: r.get(2)?,
                 fingerprint: Fingerprint {
                     boot_id: r.get(3)?,
-                    start_ticks: r.get::<_, i64>(4)? as u64,
+                    start_ticks: u64::try_from(r.get::<_, i64>(4)?).map_err(|e| {
+                        rusqlite::Error::FromSqlConversionFailure(
+                            4,
+                            rusqlite::types::Type::Integer,
+                            e.into(),
+                        )
+                    })?,
                 },
                 ended_at: r.get(5)?,
+                token: r.get(6)?,
             })
         })?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+        Ok(rows
+            .filter_map(|row| match row {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::warn!(error = %e, "terminal reaper: skipping an undecodable run row");
+                    None
+                }
+            })
+            .collect())
     }
 
     /// Writes the outcome of one reap decision: clears the evidence (compare-and-swap on the
@@ -93,7 +114,7 @@ impl Tx<'_> {
             ReapVerdict::Recycled => ("terminal_worker_pid_recycled", base.clone()),
             ReapVerdict::Unknown(_) => return Ok(false),
         };
-        self.clear_worker_evidence(c.run_id, c.pid, &c.fingerprint, kind, payload, now)
+        self.clear_worker_evidence(c.run_id, c.pid, Some(&c.fingerprint), kind, payload, now)
     }
 }
 
@@ -107,12 +128,18 @@ pub fn reap_one(
 ) -> std::result::Result<ReapVerdict, process::ProcessError> {
     // `terminate` verifies identity itself (through a pidfd) and signals nothing that is not
     // provably the recorded process; a zombie leader with live group members is still ended.
-    Ok(
-        match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
-            Ended::NotOurs(l) => verdict_for(l),
-            how => ReapVerdict::Reaped(how),
-        },
-    )
+    let verdict = match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
+        Ended::NotOurs(l) => verdict_for(l),
+        how => ReapVerdict::Reaped(how),
+    };
+    // Descendants that left the group (setsid) outlive a leader already reaped by its parent;
+    // they still carry the run's token. (Not for Unknown: nothing is decided about that run.)
+    if let Some(token) = &c.token
+        && !matches!(verdict, ReapVerdict::Unknown(_))
+    {
+        process::descendants::end_token_carriers(token, kill_timeout);
+    }
+    Ok(verdict)
 }
 
 fn verdict_for(l: Liveness) -> ReapVerdict {

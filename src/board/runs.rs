@@ -135,14 +135,14 @@ impl Tx<'_> {
     /// Records the spawned worker's pid and fingerprint on its run. Works on a run that already
     /// closed too (a fast worker may report before this lands): the evidence is what lets the
     /// reaper end a worker that outlives its run. A `None` fingerprint records a pid that will
-    /// never be signalled.
+    /// never be signalled. Returns the run's outcome and close time if it is already closed.
     pub fn set_worker(
         &self,
         run_id: RunId,
         pid: i32,
         fp: Option<&Fingerprint>,
         now: Millis,
-    ) -> Result<()> {
+    ) -> Result<Option<(RunOutcome, Millis)>> {
         let run = self.get_run(run_id)?;
         let changed = self
             .conn
@@ -172,7 +172,9 @@ impl Tx<'_> {
             }),
             now,
         )?;
-        Ok(())
+        // A run closed before its evidence landed (archived between claim and spawn, or a
+        // fast report): the caller must still end this worker, now or after the grace.
+        Ok(run.outcome.zip(run.ended_at))
     }
 
     /// Checks that `token` is `run_id`'s token and that the run is still its task's current
@@ -446,13 +448,26 @@ impl Tx<'_> {
 
     /// Records how the worker process of a run ended (it was our child and we reaped it): its
     /// exit code or signal, and clears the worker evidence, since that pid is now provably gone.
-    pub fn record_worker_exit(&self, run_id: RunId, exit: ExitInfo, now: Millis) -> Result<Run> {
+    ///
+    /// With `group_alive`, the leader is gone but members of its group (or its escaped
+    /// descendants) may still run: the evidence is kept — so the task cannot be claimed again
+    /// beside them — and is cleared by `clear_worker_evidence` once the tree is ended.
+    pub fn record_worker_exit(
+        &self,
+        run_id: RunId,
+        exit: ExitInfo,
+        group_alive: bool,
+        now: Millis,
+    ) -> Result<Run> {
         let run = self.get_run(run_id)?;
+        let sql = if group_alive {
+            "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3 WHERE id = ?1"
+        } else {
+            "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3, worker_pid = NULL, \
+             worker_boot_id = NULL, worker_start_ticks = NULL WHERE id = ?1"
+        };
         self.conn
-            .prepare_cached(
-                "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3, worker_pid = NULL, \
-                 worker_boot_id = NULL, worker_start_ticks = NULL WHERE id = ?1",
-            )?
+            .prepare_cached(sql)?
             .execute(params![run_id, exit.code, exit.signal])?;
         self.append_event(
             Some(run.task_id),
@@ -516,19 +531,26 @@ impl Tx<'_> {
         &self,
         run_id: RunId,
         pid: i32,
-        fp: &Fingerprint,
+        fp: Option<&Fingerprint>,
         kind: &str,
         payload: serde_json::Value,
         now: Millis,
     ) -> Result<bool> {
         let run = self.get_run(run_id)?;
+        // `IS` compares NULLs too: a worker spawned without a fingerprint is cleared by the
+        // owner that watched it exit.
         let changed = self
             .conn
             .prepare_cached(
                 "UPDATE task_runs SET worker_pid = NULL, worker_boot_id = NULL, worker_start_ticks = NULL \
-                 WHERE id = ?1 AND worker_pid = ?2 AND worker_boot_id = ?3 AND worker_start_ticks = ?4",
+                 WHERE id = ?1 AND worker_pid = ?2 AND worker_boot_id IS ?3 AND worker_start_ticks IS ?4",
             )?
-            .execute(params![run_id, pid, fp.boot_id, fp.start_ticks as i64])?;
+            .execute(params![
+                run_id,
+                pid,
+                fp.map(|f| f.boot_id.as_str()),
+                fp.map(|f| f.start_ticks as i64)
+            ])?;
         if changed == 1 {
             self.append_event(Some(run.task_id), Some(run_id), kind, payload, now)?;
         }

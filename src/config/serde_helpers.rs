@@ -10,12 +10,20 @@ use serde::ser::Serializer;
 /// What a duration looks like, for error messages.
 const DURATION_EXAMPLES: &str = "a duration such as \"500ms\", \"30s\", \"2m\" or \"1h 30m\"";
 
+/// The longest duration a config accepts: 100 years (humantime's year, 365.25 days), so "100y"
+/// is fine. Anything longer is surely a typo, and would overflow `Instant::now() + d`.
+pub(super) const MAX_DURATION: Duration = Duration::from_secs(100 * 31_557_600);
+
 fn parse_duration<E: de::Error>(s: &str) -> Result<Duration, E> {
-    humantime::parse_duration(s.trim()).map_err(|e| {
+    let d = humantime::parse_duration(s.trim()).map_err(|e| {
         E::custom(format!(
             "invalid duration {s:?} ({e}); expected {DURATION_EXAMPLES}"
         ))
-    })
+    })?;
+    if d > MAX_DURATION {
+        return Err(E::custom(format!("too long (max 100 years): {s:?}")));
+    }
+    Ok(d)
 }
 
 struct DurationVisitor;

@@ -7,6 +7,7 @@
 //! stronger tool where one is available.)
 
 use std::fs;
+use std::time::{Duration, Instant};
 
 use super::{Fingerprint, Pid, fingerprint};
 
@@ -18,6 +19,13 @@ fn needle(token: &str) -> Vec<u8> {
 /// Processes (other than ourselves) whose environment holds `RUNWARDEN_RUN_TOKEN=<token>`,
 /// with their fingerprints, so the caller can signal them only through a verified pidfd.
 /// Unreadable entries (vanished, permission) are skipped.
+///
+/// The fingerprint is read BEFORE the environment. The caller's `open_verified(pid, &fp)`
+/// re-reads it after opening a pidfd, so the token check and the fd are tied to one process:
+/// had the pid been recycled at any point after the fingerprint was read (before the
+/// environment was read, or after), the start time differs and verification fails. Reading the
+/// environment first would let a stranger that took the pid in between verify against its own
+/// fingerprint.
 pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
     if token.is_empty() {
         return Vec::new();
@@ -39,16 +47,21 @@ pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
         if pid == me {
             continue;
         }
-        let Ok(env) = fs::read(format!("/proc/{pid}/environ")) else {
+        // Identity first, then the environment (see above).
+        let Ok(fp) = fingerprint(pid) else { continue };
+        let Some(env) = read_environ(pid) else {
             continue;
         };
-        if env.split(|&b| b == 0).any(|var| var == needle.as_slice())
-            && let Ok(fp) = fingerprint(pid)
-        {
+        if env.split(|&b| b == 0).any(|var| var == needle.as_slice()) {
             found.push((pid, fp));
         }
     }
     found
+}
+
+/// `/proc/<pid>/environ`, or `None` if it cannot be read.
+fn read_environ(pid: Pid) -> Option<Vec<u8>> {
+    fs::read(format!("/proc/{pid}/environ")).ok()
 }
 
 /// Signals one straggler: its whole group when it leads one (a `setsid` escapee does), else
@@ -63,37 +76,64 @@ pub fn signal_straggler(fd: &super::PidFd, sig: super::Signal) {
     };
 }
 
-/// The run token in a process's environment, if any.
-fn token_of(pid: Pid) -> Option<String> {
-    let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|&b| b == 0).find_map(|var| {
-        var.strip_prefix(b"RUNWARDEN_RUN_TOKEN=")
-            .map(|t| String::from_utf8_lossy(t).into_owned())
-    })
+/// A live child of ours that nobody owns (see [`live_orphans`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Orphan {
+    /// Its pid.
+    pub pid: Pid,
+    /// Its fingerprint, read before its environment (see [`find_by_token`]).
+    pub fingerprint: Fingerprint,
+    /// `RUNWARDEN_RUN_TOKEN` from its environment, if any.
+    pub token: Option<String>,
+    /// `RUNWARDEN_RUN_ID` from its environment, if any (and a number).
+    pub run_id: Option<i64>,
+}
+
+/// The run token and run id in an environment block.
+fn run_vars(env: &[u8]) -> (Option<String>, Option<i64>) {
+    let mut token = None;
+    let mut run_id = None;
+    for var in env.split(|&b| b == 0) {
+        if let Some(t) = var.strip_prefix(b"RUNWARDEN_RUN_TOKEN=") {
+            token.get_or_insert_with(|| String::from_utf8_lossy(t).into_owned());
+        } else if let Some(id) = var.strip_prefix(b"RUNWARDEN_RUN_ID=") {
+            if run_id.is_none() {
+                run_id = std::str::from_utf8(id).ok().and_then(|id| id.parse().ok());
+            }
+        }
+    }
+    (token, run_id)
 }
 
 /// Live (non-zombie) children of ours that nobody owns: descendants of workers re-parented to
-/// us (we are a subreaper) after their parent died. Each with its run token, if it carries one.
-pub fn live_orphans() -> Vec<(Pid, Option<String>)> {
+/// us (we are a subreaper) after their parent died. Each with the fingerprint from the stat
+/// that found it (read before its environment, so a later `open_verified` against it proves the
+/// environment was this process's), and its run token and run id, if it carries them.
+pub fn live_orphans() -> Vec<Orphan> {
     let me = std::process::id() as Pid;
+    let Ok(boot_id) = super::boot_id() else {
+        return Vec::new();
+    };
     let Some(stats) = super::liveness::all_stats() else {
         return Vec::new();
     };
     stats
         .filter(|s| s.ppid == me && !s.is_zombie() && !super::owned::is_registered(s.pid))
-        .map(|s| (s.pid, token_of(s.pid)))
+        .map(|s| {
+            let (token, run_id) = read_environ(s.pid)
+                .map(|env| run_vars(&env))
+                .unwrap_or_default();
+            Orphan {
+                pid: s.pid,
+                fingerprint: Fingerprint {
+                    boot_id: boot_id.clone(),
+                    start_ticks: s.start_ticks,
+                },
+                token,
+                run_id,
+            }
+        })
         .collect()
-}
-
-/// The run id in a process's environment (`RUNWARDEN_RUN_ID`), if any.
-fn run_id_of(pid: Pid) -> Option<i64> {
-    let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|&b| b == 0).find_map(|var| {
-        std::str::from_utf8(var.strip_prefix(b"RUNWARDEN_RUN_ID=")?)
-            .ok()?
-            .parse()
-            .ok()
-    })
 }
 
 /// Ends the orphans (see [`live_orphans`]) that `is_stray(run_id, token)` claims: leftovers of
@@ -102,28 +142,26 @@ fn run_id_of(pid: Pid) -> Option<i64> {
 /// another supervisor sharing this process, or a worker left running for adoption, carries a
 /// token the caller cannot vouch for and must never be signalled. Orphans without a run id or
 /// token are left alone. Each is signalled through a pidfd verified against the fingerprint
-/// read here (SIGTERM; SIGKILL after `kill_timeout`). Blocking. Returns the pids ended.
-pub fn end_stray_orphans(
-    is_stray: &dyn Fn(i64, &str) -> bool,
-    kill_timeout: std::time::Duration,
-) -> Vec<Pid> {
+/// read before its environment (SIGTERM; SIGKILL after `kill_timeout`). Blocking. Returns the
+/// pids ended.
+pub fn end_stray_orphans(is_stray: &dyn Fn(i64, &str) -> bool, kill_timeout: Duration) -> Vec<Pid> {
     let mut fds = Vec::new();
-    for (pid, token) in live_orphans() {
-        let (Some(token), Some(run_id)) = (token, run_id_of(pid)) else {
+    for orphan in live_orphans() {
+        let (Some(token), Some(run_id)) = (&orphan.token, orphan.run_id) else {
             continue;
         };
-        if !is_stray(run_id, &token) {
+        if !is_stray(run_id, token) {
             continue;
         }
-        let Ok(fp) = fingerprint(pid) else { continue };
-        if let Ok(super::Verified::Ours(fd)) = super::open_verified(pid, &fp) {
+        if let Ok(super::Verified::Ours(fd)) = super::open_verified(orphan.pid, &orphan.fingerprint)
+        {
             signal_straggler(&fd, super::Signal::SIGTERM);
             fds.push(fd);
         }
     }
-    let deadline = std::time::Instant::now() + kill_timeout;
+    let deadline = super::deadline_after(kill_timeout);
     for fd in &fds {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let left = deadline.saturating_duration_since(Instant::now());
         if !fd.wait_exit(left).unwrap_or(false) {
             signal_straggler(fd, super::Signal::SIGKILL);
         }
@@ -142,15 +180,51 @@ pub fn pidfds_by_token(token: &str) -> Vec<super::PidFd> {
         .collect()
 }
 
+/// Ends every process carrying `token`: SIGTERM to each verified carrier (its whole group when
+/// it leads one), a wait of up to `kill_timeout` for each (the deadline is shared), SIGKILL to
+/// those still running; then one more scan SIGKILLs any carrier that appeared meanwhile (forked
+/// by one being ended). Every signal goes through a pidfd verified against a fingerprint read
+/// before the token (see [`find_by_token`]). Blocking. Returns how many carriers were signalled.
+pub fn end_token_carriers(token: &str, kill_timeout: Duration) -> usize {
+    let deadline = super::deadline_after(kill_timeout);
+    end_carriers(pidfds_by_token(token), token, deadline)
+}
+
+/// [`end_token_carriers`] for carriers already found (SIGTERMed already or not: a second
+/// SIGTERM is harmless), waiting for them until `deadline`.
+fn end_carriers(carriers: Vec<super::PidFd>, token: &str, deadline: Instant) -> usize {
+    for fd in &carriers {
+        signal_straggler(fd, super::Signal::SIGTERM);
+    }
+    for fd in &carriers {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if !fd.wait_exit(left).unwrap_or(false) {
+            signal_straggler(fd, super::Signal::SIGKILL);
+        }
+    }
+    // A carrier may have forked after the first scan; its children carry the token too.
+    // Verification only passes live processes, so everything found here is still running.
+    let late: Vec<super::PidFd> = pidfds_by_token(token);
+    for fd in &late {
+        signal_straggler(fd, super::Signal::SIGKILL);
+    }
+    let new = late
+        .iter()
+        .filter(|fd| !carriers.iter().any(|c| c.pid() == fd.pid()))
+        .count();
+    carriers.len() + new
+}
+
 /// Ends a run's whole tree: SIGTERM to the leader's group (through the pidfd we hold) and to
 /// every process carrying the run's token outside it; after `kill_timeout`, SIGKILL to
-/// whatever is left. Blocking (waits up to `kill_timeout`): call it off the actor threads.
+/// whatever is left (see [`end_token_carriers`]). Blocking (waits up to `kill_timeout`): call
+/// it off the actor threads.
 pub fn terminate_tree(
     leader: &super::PidFd,
     token: &str,
-    kill_timeout: std::time::Duration,
+    kill_timeout: Duration,
 ) -> Result<super::Ended, super::ProcessError> {
-    let deadline = std::time::Instant::now() + kill_timeout;
+    let deadline = super::deadline_after(kill_timeout);
     // The group first: the /proc scan for stragglers takes milliseconds and must not delay
     // the signal the worker itself is waiting for. (terminate_group repeats it; harmless.)
     let _ = leader.signal_group(super::Signal::SIGTERM);
@@ -159,15 +233,25 @@ pub fn terminate_tree(
         signal_straggler(fd, super::Signal::SIGTERM);
     }
     let ended = super::terminate_group(leader, kill_timeout);
-    for fd in &stragglers {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        if !fd.wait_exit(left).unwrap_or(false) {
-            signal_straggler(fd, super::Signal::SIGKILL);
-        }
-    }
-    // A straggler may have forked after the first scan; its children carry the token too.
-    for fd in pidfds_by_token(token) {
-        signal_straggler(&fd, super::Signal::SIGKILL);
-    }
+    // Their SIGTERM went out with the group's: one deadline for both.
+    end_carriers(stragglers, token, deadline);
     ended
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_vars_reads_token_and_run_id_once() {
+        let env = b"A=1\0RUNWARDEN_RUN_ID=42\0RUNWARDEN_RUN_TOKEN=abc\0RUNWARDEN_RUN_TOKEN=x\0";
+        assert_eq!(run_vars(env), (Some("abc".into()), Some(42)));
+        assert_eq!(run_vars(b"RUNWARDEN_RUN_ID=nope\0"), (None, None));
+        assert_eq!(run_vars(b""), (None, None));
+    }
+
+    #[test]
+    fn find_by_token_never_matches_an_empty_token() {
+        assert!(find_by_token("").is_empty());
+    }
 }

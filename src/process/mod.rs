@@ -11,7 +11,9 @@
 //!   signal sent through it can never reach a recycled pid.
 //! - Workers lead their own process group; the group is signalled
 //!   (`pidfd_send_signal(…, PIDFD_SIGNAL_PROCESS_GROUP)`), which works through the leader's pidfd
-//!   even after the leader exited or was reaped, for as long as any member lives.
+//!   even after the leader exited or was reaped, for as long as any member lives. Kernels before
+//!   6.9 lack the flag; there each member is signalled through its own verified pidfd instead
+//!   (`group_fallback`).
 //! - [`terminate`] (SIGTERM, wait, SIGKILL) takes a [`Signaller`] so tests can inject failures;
 //!   [`terminate_group`] ends a group through a pidfd the caller already holds (its own child).
 //! - [`become_subreaper`] and [`reap_orphans`] catch descendants that escaped their group with
@@ -24,6 +26,7 @@
 
 pub mod descendants;
 mod fingerprint;
+mod group_fallback;
 mod liveness;
 pub mod owned;
 mod pidfd;
@@ -36,8 +39,11 @@ mod testutil;
 use std::io;
 
 pub use fingerprint::{Fingerprint, boot_id, fingerprint};
+#[doc(hidden)]
+pub use group_fallback::force_group_signal_fallback;
 pub use liveness::{DeadReason, Liveness, group_alive, group_members, liveness};
 pub use pidfd::{ExitStatus, PidFd, Verified, open_verified};
+pub(crate) use signal::deadline_after;
 pub use signal::{Ended, PidfdSignaller, Sent, Signaller, terminate, terminate_group};
 pub use stat::{ProcStat, parse_stat, read_stat};
 pub use subreaper::{become_subreaper, reap_orphans};

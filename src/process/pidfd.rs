@@ -14,7 +14,7 @@ use rustix::process::{PidfdFlags, WaitId, WaitidOptions, pidfd_open, waitid};
 
 use super::liveness::{check_boot, verdict};
 use super::{DeadReason, Fingerprint, Liveness, Pid, ProcStat, ProcessError, Signal};
-use super::{group_alive, read_stat};
+use super::{group_alive, group_fallback, read_stat};
 
 /// `PIDFD_SIGNAL_PROCESS_GROUP` (Linux 6.9, include/uapi/linux/pidfd.h); not in libc 0.2 yet.
 const PIDFD_SIGNAL_PROCESS_GROUP: libc::c_uint = 4;
@@ -68,25 +68,38 @@ impl PidFd {
     /// leader exited or was reaped, for as long as any member lives, and can never reach a
     /// recycled pid. ESRCH (no member left, zombies count as members) is
     /// [`ProcessError::NoSuchProcess`].
+    ///
+    /// On kernels before 6.9 (EINVAL for the flag) each member is signalled through its own
+    /// verified pidfd instead; see `group_fallback` for why that reaches the same processes.
     pub fn signal_group(&self, sig: Signal) -> Result<(), ProcessError> {
-        self.send_raw(
-            sig as libc::c_int,
-            PIDFD_SIGNAL_PROCESS_GROUP,
-            "pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP)",
-        )
+        if !group_fallback::use_fallback() {
+            match self.send_raw(
+                sig as libc::c_int,
+                PIDFD_SIGNAL_PROCESS_GROUP,
+                "pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP)",
+            ) {
+                Err(err) if group_fallback::is_flag_unsupported(&err) => {}
+                other => return other,
+            }
+        }
+        group_fallback::signal_group(self, sig)
     }
 
     /// Whether the group still has any member, zombies included: signal 0 to the group, which
-    /// checks delivery without sending anything.
+    /// checks delivery without sending anything (a `/proc` scan on kernels before 6.9).
     pub fn group_exists(&self) -> Result<bool, ProcessError> {
-        match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
-            Ok(()) => Ok(true),
-            Err(ProcessError::NoSuchProcess { .. }) => Ok(false),
-            Err(err) => Err(err),
+        if !group_fallback::use_fallback() {
+            match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
+                Ok(()) => return Ok(true),
+                Err(ProcessError::NoSuchProcess { .. }) => return Ok(false),
+                Err(err) if group_fallback::is_flag_unsupported(&err) => {}
+                Err(err) => return Err(err),
+            }
         }
+        group_fallback::group_exists(self)
     }
 
-    fn send_raw(
+    pub(super) fn send_raw(
         &self,
         sig: libc::c_int,
         flags: libc::c_uint,

@@ -263,12 +263,17 @@ fn time_left(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
 
-/// `now + timeout`, saturating instead of panicking on absurd timeouts.
-fn deadline_after(timeout: Duration) -> Instant {
+/// `now + timeout`, saturating instead of panicking on absurd timeouts: a timeout too long to
+/// add is taken as "about a century", which no wait outlives.
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+        .or_else(|| now.checked_add(FAR_FUTURE))
+        .unwrap_or(now)
 }
+
+/// What [`deadline_after`] saturates to.
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 #[cfg(test)]
 mod tests {

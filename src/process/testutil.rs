@@ -41,7 +41,7 @@ pub(crate) fn spawn_leader(script: &str) -> (PidFd, GroupKill) {
 
 /// Polls `cond` every 10 ms until it holds or `timeout` passes.
 pub(crate) fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
+    let deadline = super::deadline_after(timeout);
     loop {
         if cond() {
             return true;
