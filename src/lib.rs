@@ -36,3 +36,7 @@ pub mod process;
 pub mod supervisor;
 
 pub use supervisor::{Services, Supervisor, SupervisorError, SupervisorHandle};
+
+/// `now + d`, saturating far in the future instead of panicking on an absurd duration (a
+/// `--timeout`, a config value in years). One implementation: the process module's.
+pub use process::deadline_after;

@@ -267,7 +267,7 @@ impl SupervisorHandle {
 
     /// Waits until the task is `done`, `blocked` or `archived` (or `timeout` passes).
     pub fn wait_for(&self, id: TaskId, timeout: Duration) -> Result<Task, SupervisorError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline_after(timeout);
         loop {
             let task = self
                 .services

@@ -943,7 +943,9 @@ impl Handler<StopDispatching> for DispatcherActor {
                         reason: TerminateReason::Shutdown,
                     });
                 }
-                let deadline = tokio::time::Instant::now() + kill + Duration::from_secs(2);
+                let deadline = tokio::time::Instant::from_std(crate::deadline_after(
+                    kill.saturating_add(Duration::from_secs(2)),
+                ));
                 while addrs.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline
                 {
                     tokio::time::sleep(Duration::from_millis(20)).await;

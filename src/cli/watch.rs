@@ -215,7 +215,7 @@ fn status_after(kind: &str) -> Option<TaskStatus> {
 /// Waits until every task is done (exit 0), one ends blocked or archived (exit 1), or the
 /// timeout passes (exit 124). Follows the event stream; no polling.
 pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
-    let deadline = args.timeout.map(|t| Instant::now() + t);
+    let deadline = args.timeout.map(crate::deadline_after);
     let mut client = connect(cli)?;
     // The watermark first, then the statuses: whatever settles after the watermark is in the
     // stream that follows from it, so nothing between the two reads is missed.

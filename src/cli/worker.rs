@@ -183,7 +183,7 @@ fn connect_for(cli: &Cli, worker: bool) -> Result<crate::control::client::Client
         .and_then(|v| humantime::parse_duration(&v).ok())
         .unwrap_or(WORKER_CONNECT_WAIT);
     let path = super::socket_path(cli)?;
-    let deadline = Instant::now() + wait;
+    let deadline = crate::deadline_after(wait);
     let mut delay = Duration::from_millis(50);
     let mut told = false;
     loop {

@@ -95,7 +95,9 @@ pub(super) async fn serve(
         // Idle means: nothing in flight, no stream, and no complete request for idle_timeout.
         let idle_now = reading && window.is_empty() && streams.is_empty();
         if idle_now && !was_idle {
-            idle_timer.as_mut().reset(Instant::now() + idle);
+            idle_timer
+                .as_mut()
+                .reset(Instant::from_std(crate::deadline_after(idle)));
         }
         was_idle = idle_now;
         tokio::select! {
@@ -118,7 +120,7 @@ pub(super) async fn serve(
             line = read_line(&mut reader, &mut partial, shared.max_request_bytes), if reading => {
                 match line {
                     Ok(Some(line)) => {
-                        idle_timer.as_mut().reset(Instant::now() + idle);
+                        idle_timer.as_mut().reset(Instant::from_std(crate::deadline_after(idle)));
                         if let Some(started) = on_line(&shared, &mut session, &line, &mut held) {
                             window.push_back(started);
                         }

@@ -43,8 +43,9 @@ pub use fingerprint::{Fingerprint, boot_id, fingerprint};
 pub use group_fallback::force_group_signal_fallback;
 pub use liveness::{DeadReason, Liveness, group_alive, group_members, liveness};
 pub use pidfd::{ExitStatus, PidFd, Verified, open_verified};
-pub(crate) use signal::deadline_after;
-pub use signal::{Ended, PidfdSignaller, Sent, Signaller, terminate, terminate_group};
+pub use signal::{
+    Ended, PidfdSignaller, Sent, Signaller, deadline_after, terminate, terminate_group,
+};
 pub use stat::{ProcStat, parse_stat, read_stat};
 pub use subreaper::{become_subreaper, reap_orphans};
 

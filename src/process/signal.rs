@@ -265,7 +265,7 @@ fn time_left(deadline: Instant) -> Duration {
 
 /// `now + timeout`, saturating instead of panicking on absurd timeouts: a timeout too long to
 /// add is taken as "about a century", which no wait outlives.
-pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+pub fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout)
         .or_else(|| now.checked_add(FAR_FUTURE))
