@@ -78,15 +78,12 @@ pub struct StopDispatching {
 /// a freed slot is refilled without another commit and another hop through the dispatcher).
 #[derive(Debug, Clone)]
 pub struct ClaimParams {
-    pub caps: BTreeMap<String, u32>,
-    pub max_in_progress: u32,
-    pub claimer: String,
-    pub lease_ms: i64,
+    pub rules: board::ClaimRules,
     /// False once shutdown began: nothing is claimed any more.
     pub accepting: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// Claims ready tasks, in priority order, within the global and per-assignee caps.
+/// Claims ready tasks within the caps, unless shutdown began.
 pub fn claim_ready(
     tx: &board::Tx<'_>,
     now: board::Millis,
@@ -95,56 +92,7 @@ pub fn claim_ready(
     if !p.accepting.load(std::sync::atomic::Ordering::Acquire) {
         return Ok(Vec::new());
     }
-    let open = tx.open_runs_by_assignee()?;
-    // Only assignees with a free slot: a full assignee's long backlog must not fill the
-    // candidate list and starve the others (head-of-line blocking).
-    let with_room = board::assignees_with_room(&open, &p.caps);
-    // Read no more rows than can be claimed: per assignee with room, at most its free slots
-    // (and the global free slots), merged back in claim order.
-    let free = p.max_in_progress.saturating_sub(open.values().sum::<u32>());
-    if free == 0 {
-        return Ok(Vec::new());
-    }
-    let mut candidates = Vec::new();
-    for name in &with_room {
-        let room = p.caps[name].saturating_sub(open.get(name).copied().unwrap_or(0));
-        candidates.extend(tx.ready_candidates_for(
-            now,
-            std::slice::from_ref(name),
-            room.min(free),
-        )?);
-    }
-    candidates.sort_by_key(|t| (std::cmp::Reverse(t.priority), t.created_at, t.id));
-    let plan = board::plan_claims(
-        &candidates,
-        &open,
-        p.max_in_progress,
-        &p.caps,
-        p.max_in_progress,
-    )?;
-    let mut claimed = Vec::new();
-    for id in plan {
-        match tx.nested(|tx| tx.claim_task(id, &p.claimer, now, p.lease_ms)) {
-            Ok(claim) => {
-                let task = candidates
-                    .iter()
-                    .find(|t| t.id == id)
-                    .cloned()
-                    .expect("planned from candidates");
-                claimed.push((claim, task));
-            }
-            Err(e) => {
-                tracing::debug!(task_id = id, error = %e, "dispatch: claim refused");
-                // A task whose parent reopened is demoted here, outside the refused claim's
-                // savepoint (which rolled back everything the claim wrote), so it leaves
-                // `ready` for good.
-                if tx.demote_if_waiting(id, now)? {
-                    tracing::info!(task_id = id, "dispatch: a parent reopened; demoted to todo");
-                }
-            }
-        }
-    }
-    Ok(claimed)
+    tx.claim_ready(now, &p.rules, u32::MAX)
 }
 
 /// Runs claimed elsewhere (by a worker's exit): start their workers.
@@ -265,10 +213,12 @@ impl DispatcherActor {
 
     fn claim_params(&self) -> ClaimParams {
         ClaimParams {
-            caps: self.caps.clone(),
-            max_in_progress: self.config.supervisor.max_in_progress,
-            claimer: self.claimer.clone(),
-            lease_ms: self.config.leases.claim_ttl.as_millis() as i64,
+            rules: board::ClaimRules {
+                caps: self.caps.clone(),
+                max_in_progress: self.config.supervisor.max_in_progress,
+                claimer: self.claimer.clone(),
+                lease_ms: self.config.leases.claim_ttl.as_millis() as i64,
+            },
             accepting: self.accepting_flag.clone(),
         }
     }

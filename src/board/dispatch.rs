@@ -68,30 +68,15 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
         return Ok(report);
     }
     let now = opts.now;
-    let plan = board.read(|tx| {
-        let open = tx.open_runs_by_assignee()?;
-        let with_room = assignees_with_room(&open, &opts.assignee_caps);
-        plan_claims(
-            &tx.ready_candidates_for(now, &with_room, opts.max_spawn.saturating_mul(4).max(64))?,
-            &open,
-            opts.max_in_progress,
-            &opts.assignee_caps,
-            opts.max_spawn,
-        )
-    })?;
-    for task_id in plan {
-        let claim = match board
-            .write(|tx| tx.claim_task(task_id, opts.claimer, now, opts.lease.as_millis() as i64))
-        {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::debug!(task_id, error = %e, "dispatch: claim refused");
-                // The refused claim was rolled back; a task whose parent reopened is demoted
-                // in a transaction of its own so the demotion persists.
-                board.write(|tx| tx.demote_if_waiting(task_id, now))?;
-                continue;
-            }
-        };
+    let rules = ClaimRules {
+        caps: opts.assignee_caps.clone(),
+        max_in_progress: opts.max_in_progress,
+        claimer: opts.claimer.to_string(),
+        lease_ms: opts.lease.as_millis() as i64,
+    };
+    let claimed = board.write(|tx| tx.claim_ready(now, &rules, opts.max_spawn))?;
+    for (claim, _) in claimed {
+        let task_id = claim.task_id;
         match (opts.spawn)(&claim) {
             Ok((pid, fp)) => {
                 board.write(|tx| tx.set_worker(claim.run_id, pid, fp.as_ref(), now))?;
@@ -164,4 +149,70 @@ pub fn plan_claims(
         out.push(task.id);
     }
     Ok(out)
+}
+
+/// What a claim must respect: the caps, and who claims for how long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRules {
+    /// Per-assignee caps; tasks of an assignee not listed here are not claimed.
+    pub caps: BTreeMap<String, u32>,
+    /// Global cap on open runs.
+    pub max_in_progress: u32,
+    /// Who claims (recorded on the run).
+    pub claimer: String,
+    /// The claim's lease.
+    pub lease_ms: i64,
+}
+
+impl super::Tx<'_> {
+    /// Claims ready tasks — priority first, then age — within the global and per-assignee caps,
+    /// at most `max_claims`. The one claiming routine: dispatch passes, claims on close, and
+    /// [`dispatch_once`] all use it.
+    pub fn claim_ready(
+        &self,
+        now: super::Millis,
+        rules: &ClaimRules,
+        max_claims: u32,
+    ) -> Result<Vec<(Claim, super::Task)>> {
+        let open = self.open_runs_by_assignee()?;
+        // Only assignees with a free slot: a full assignee's long backlog must not fill the
+        // candidate list and starve the others (head-of-line blocking).
+        let with_room = assignees_with_room(&open, &rules.caps);
+        // Read no more rows than can be claimed: per assignee with room, at most its free slots
+        // (and the global free slots), merged back in claim order.
+        let free = rules
+            .max_in_progress
+            .saturating_sub(open.values().sum::<u32>())
+            .min(max_claims);
+        if free == 0 {
+            return Ok(Vec::new());
+        }
+        let mut candidates = Vec::new();
+        for name in &with_room {
+            let room = rules.caps[name].saturating_sub(open.get(name).copied().unwrap_or(0));
+            candidates.extend(self.ready_candidates_for(
+                now,
+                std::slice::from_ref(name),
+                room.min(free),
+            )?);
+        }
+        candidates.sort_by_key(|t| (std::cmp::Reverse(t.priority), t.created_at, t.id));
+        let plan = plan_claims(&candidates, &open, rules.max_in_progress, &rules.caps, free)?;
+        let mut claimed = Vec::new();
+        for task in candidates.into_iter().filter(|t| plan.contains(&t.id)) {
+            match self.nested(|tx| tx.claim_task(task.id, &rules.claimer, now, rules.lease_ms)) {
+                Ok(claim) => claimed.push((claim, task)),
+                Err(e) => {
+                    tracing::debug!(task_id = task.id, error = %e, "claim refused");
+                    // A task whose parent reopened is demoted here, outside the refused claim's
+                    // savepoint (which rolled back everything the claim wrote), so it leaves
+                    // `ready` for good.
+                    if self.demote_if_waiting(task.id, now)? {
+                        tracing::info!(task_id = task.id, "a parent reopened; demoted to todo");
+                    }
+                }
+            }
+        }
+        Ok(claimed)
+    }
 }

@@ -23,7 +23,8 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags};
 
 pub use dispatch::{
-    DispatchOptions, DispatchReport, SpawnFn, assignees_with_room, dispatch_once, plan_claims,
+    ClaimRules, DispatchOptions, DispatchReport, SpawnFn, assignees_with_room, dispatch_once,
+    plan_claims,
 };
 pub use reaper::{ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
 pub use runs::{ExitInfo, FailResult};
