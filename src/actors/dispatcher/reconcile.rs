@@ -1,0 +1,342 @@
+//! Reconciling open runs no WorkerActor of this incarnation owns: adoption of a previous
+//! incarnation's live workers, closing the runs of dead ones, settling claims whose worker was
+//! never recorded, holding (never signalling) runs whose liveness cannot be proven — plus the
+//! lease refresh and stale detection of our own runs. Runs at start-up and on every tick;
+//! every /proc probe happens on the blocking pool.
+
+use actix::prelude::*;
+
+use super::super::outcome;
+use super::{DispatcherActor, WorkerActor};
+use crate::board::{self, RunId, RunOutcome, Task, now_millis};
+use crate::process;
+
+/// How long a claim of this incarnation without a WorkerActor yet is taken as still starting.
+const JUST_CLAIMED_MS: i64 = 30_000;
+
+/// What reconcile learned about an open run's worker (computed off the actor thread).
+enum Probe {
+    /// A live WorkerActor of ours owns it, or ours just claimed it.
+    Ours,
+    /// Its recorded worker is alive and verified through this pidfd.
+    Verified(process::PidFd, process::Fingerprint),
+    /// Its recorded worker is dead, recycled, unreadable, or has no fingerprint.
+    NotVerified(process::Liveness),
+    /// No worker was ever recorded; `leader` is a process carrying the run's token that leads
+    /// its own group (the worker, started but not recorded), if any.
+    Unstarted {
+        leader: Option<(i32, process::Fingerprint)>,
+    },
+}
+
+impl Probe {
+    /// Probes the worker of a run no actor of ours owns. Blocking (/proc).
+    fn of(run: &board::Run) -> Probe {
+        match (
+            run.worker_pid.and_then(|p| i32::try_from(p).ok()),
+            run.fingerprint(),
+        ) {
+            (Some(pid), Some(fp)) => match process::open_verified(pid, &fp) {
+                Ok(process::Verified::Ours(pidfd)) => Probe::Verified(pidfd, fp),
+                Ok(process::Verified::NotOurs(l)) => Probe::NotVerified(l),
+                Err(e) => Probe::NotVerified(process::Liveness::Unknown(e.to_string())),
+            },
+            (Some(_), None) => Probe::NotVerified(process::Liveness::Unknown(
+                "no fingerprint recorded (legacy row)".into(),
+            )),
+            (None, _) if run.spawned_pid.is_some() => {
+                Probe::NotVerified(process::Liveness::Dead(process::DeadReason::NoSuchProcess))
+            }
+            (None, _) => Probe::Unstarted {
+                leader: process::descendants::find_by_token(&run.token)
+                    .into_iter()
+                    .find(|(pid, _)| process::read_stat(*pid).is_ok_and(|s| s.pgrp == *pid)),
+            },
+        }
+    }
+}
+
+impl DispatcherActor {
+    /// Brings every open run that no WorkerActor of ours owns to a defined state: adopt a live
+    /// worker of a previous incarnation, close a dead one's run, release a run whose worker was
+    /// never recorded, hold (never signal) one whose liveness cannot be proven. Also refreshes
+    /// our own workers' leases and ends stale ones. Runs at start-up and on every tick.
+    pub(super) fn reconcile(&mut self, ctx: &mut Context<Self>) {
+        if self.reconciling {
+            return;
+        }
+        self.reconciling = true;
+        let store = self.store.clone();
+        // Probing liveness reads /proc (and, for an unstarted run, scans every process's
+        // environment): that happens here, on the blocking pool, never on the actor thread.
+        let ours: std::collections::HashSet<RunId> = self.workers.keys().copied().collect();
+        let claimer = self.claimer.clone();
+        async move {
+            store
+                .read(move |tx| {
+                    let runs = tx.open_runs()?;
+                    let now = now_millis();
+                    let mut out = Vec::with_capacity(runs.len());
+                    for run in runs {
+                        let task = tx.get_task(run.task_id)?;
+                        let just_claimed =
+                            run.claimer == claimer && now - run.started_at < JUST_CLAIMED_MS;
+                        let probe = if ours.contains(&run.id) || just_claimed {
+                            Probe::Ours
+                        } else {
+                            Probe::of(&run)
+                        };
+                        out.push((run, task, probe));
+                    }
+                    Ok(out)
+                })
+                .await
+        }
+        .into_actor(self)
+        .map(|res, act, ctx| {
+            act.reconciling = false;
+            match res {
+                Ok(runs) => act.reconcile_runs(runs, ctx),
+                Err(e) => tracing::warn!(error = %e, "reconcile: cannot read open runs"),
+            }
+        })
+        .spawn(ctx);
+    }
+
+    fn reconcile_runs(&mut self, runs: Vec<(board::Run, Task, Probe)>, ctx: &mut Context<Self>) {
+        let now = now_millis();
+        let ttl = self.config.leases.claim_ttl;
+        let stale_after = self.config.leases.stale_after;
+        let mut ours = Vec::new();
+        let mut stale = Vec::new();
+        self.held
+            .retain(|run_id, _| runs.iter().any(|(r, _, _)| r.id == *run_id));
+        self.closing
+            .retain(|run_id| runs.iter().any(|(r, _, _)| r.id == *run_id));
+        for (run, task, probe) in runs {
+            // Ours: a live WorkerActor, or a claim of this incarnation young enough that its
+            // actor may not have started yet (the claim's reply is still on its way). Anything
+            // else of ours without an actor (its exit could not be recorded) is reconciled like
+            // a foreign run.
+            if self.workers.contains_key(&run.id) || matches!(probe, Probe::Ours) {
+                if !stale_after.is_zero() {
+                    let last = run.heartbeat_at.unwrap_or(run.started_at);
+                    if now - last > stale_after.as_millis() as i64 {
+                        // A stale run is a failure of its task like any other: its assignee's
+                        // max_retries and backoff apply (not the global default, not zero).
+                        stale.push((run.id, self.policy_for(&task)));
+                    }
+                }
+                ours.push(run.id);
+                continue;
+            }
+            self.take_over(run, task, probe, now, ctx);
+        }
+        // Our own live children vouch for their leases (a heartbeat extends them too).
+        let due = self
+            .last_lease_refresh
+            .is_none_or(|t| t.elapsed() >= ttl / 3);
+        if (due && !ours.is_empty()) || !stale.is_empty() {
+            self.last_lease_refresh = Some(std::time::Instant::now());
+            let (store, lease_ms) = (self.store.clone(), ttl.as_millis() as i64);
+            let error = format!(
+                "no heartbeat for {}",
+                humantime::format_duration(stale_after)
+            );
+            actix_rt::spawn(async move {
+                let res = store
+                    .with_tx(move |tx, now| {
+                        for run_id in ours {
+                            tx.extend_lease(run_id, now, lease_ms)?;
+                        }
+                        for (run_id, policy) in stale {
+                            // Closing the run is what ends the worker (run_closed → reaper, no grace).
+                            let _ = tx.nested(|tx| {
+                                outcome::fail(
+                                    tx,
+                                    run_id,
+                                    &policy,
+                                    RunOutcome::Stale,
+                                    None,
+                                    error.clone(),
+                                    now,
+                                )
+                            });
+                        }
+                        Ok(())
+                    })
+                    .await;
+                if let Err(e) = res {
+                    tracing::warn!(error = %e, "lease refresh failed");
+                }
+            });
+        }
+    }
+
+    /// One open run of a previous incarnation (see [`Self::reconcile`]).
+    fn take_over(
+        &mut self,
+        run: board::Run,
+        task: Task,
+        probe: Probe,
+        now: board::Millis,
+        ctx: &mut Context<Self>,
+    ) {
+        let run_id = run.id;
+        if self.closing.contains(&run_id) {
+            return;
+        }
+        let lease_expired = run.lease_expires_at <= now;
+        let verdict = match probe {
+            Probe::Ours => return,
+            Probe::Verified(pidfd, fp) => Ok((pidfd, fp)),
+            Probe::NotVerified(l) => Err(l),
+            Probe::Unstarted { leader } => {
+                self.closing.insert(run_id);
+                let store = self.store.clone();
+                let kill = self.config.reaper.kill_timeout;
+                async move {
+                    let r = match leader {
+                        // Its worker was started but never recorded (the incarnation died
+                        // between fork and commit): record it now; the next tick adopts it.
+                        Some((pid, fp)) => {
+                            store
+                                .with_tx(move |tx, now| {
+                                    tx.set_worker(run_id, pid, Some(&fp), now)?;
+                                    tx.append_event(Some(run.task_id), Some(run_id), "worker_found", serde_json::json!({ "pid": pid, "by": "run token" }), now)?;
+                                    Ok(())
+                                })
+                                .await
+                        }
+                        // Nothing (left) runs under this run: end any straggler, then release.
+                        None => {
+                            let token = run.token.clone();
+                            let _ = actix_rt::task::spawn_blocking(move || process::descendants::end_token_carriers(&token, kill)).await;
+                            store
+                                .with_tx(move |tx, now| {
+                                    tx.reclaim_task(run.task_id, "claimed by a supervisor that died before starting the worker", now)
+                                        .map(|_| ())
+                                })
+                                .await
+                        }
+                    };
+                    if let Err(e) = r {
+                        tracing::warn!(run_id, error = %e, "reconcile: cannot settle an unstarted run");
+                    }
+                }
+                .into_actor(self)
+                // Settled (or not): the next reconcile looks at the run afresh — and adopts a
+                // worker just recorded.
+                .map(move |_, act, _| {
+                    act.closing.remove(&run_id);
+                })
+                .spawn(ctx);
+                return;
+            }
+        };
+        match verdict {
+            Ok((pidfd, fp)) => {
+                self.held.remove(&run_id);
+                let Some((spec, policy, max_runtime)) =
+                    self.worker_setup(&task, run_id, run.token.clone())
+                else {
+                    return;
+                };
+                let worker = WorkerActor::adopt(
+                    spec,
+                    pidfd,
+                    fp,
+                    run.started_at,
+                    policy,
+                    max_runtime,
+                    self.config.reaper.kill_timeout,
+                    self.store.clone(),
+                    ctx.address(),
+                );
+                let pid = run.worker_pid.map(|p| p as i32);
+                self.run_worker(worker, run_id, task.id, pid, run.token.clone());
+                let store = self.store.clone();
+                let lease_ms = self.config.leases.claim_ttl.as_millis() as i64;
+                actix_rt::spawn(async move {
+                    let _ = store
+                        .with_tx(move |tx, now| {
+                            tx.append_event(
+                                Some(task.id),
+                                Some(run_id),
+                                "worker_adopted",
+                                serde_json::json!({ "pid": run.worker_pid }),
+                                now,
+                            )?;
+                            tx.extend_lease(run_id, now, lease_ms)
+                        })
+                        .await;
+                });
+            }
+            Err(process::Liveness::Dead(reason)) => {
+                self.held.remove(&run_id);
+                self.closing.insert(run_id);
+                let policy = self.policy_for(&task);
+                let store = self.store.clone();
+                let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
+                actix_rt::spawn(async move {
+                    // The leader is gone, but what it left (group members, setsid escapees)
+                    // still carries the run's token: end it before the task can run again.
+                    let _ = actix_rt::task::spawn_blocking(move || {
+                        process::descendants::end_token_carriers(&token, kill)
+                    })
+                    .await;
+                    let r = store
+                        .with_tx(move |tx, now| {
+                            tx.record_worker_exit(
+                                run_id,
+                                board::ExitInfo {
+                                    code: None,
+                                    signal: None,
+                                },
+                                false,
+                                now,
+                            )?;
+                            let error =
+                                format!("worker exited while unsupervised ({})", reason.as_str());
+                            outcome::fail(
+                                tx,
+                                run_id,
+                                &policy,
+                                RunOutcome::Crashed,
+                                None,
+                                error,
+                                now,
+                            )
+                        })
+                        .await;
+                    if let Err(e) = r {
+                        tracing::warn!(run_id, error = %e, "reconcile: cannot close dead worker's run");
+                    }
+                });
+            }
+            Err(l) => {
+                // Unknown: never signalled, never released by time alone; re-checked each tick.
+                let recorded = self.held.entry(run_id).or_insert(false);
+                if lease_expired && !*recorded {
+                    *recorded = true;
+                    let why = format!("{l:?}");
+                    tracing::warn!(run_id, %why, "lease expired but the worker's liveness is unknown; release deferred");
+                    let store = self.store.clone();
+                    actix_rt::spawn(async move {
+                        let _ = store
+                            .with_tx(move |tx, now| {
+                                tx.append_event(
+                                    Some(run.task_id),
+                                    Some(run_id),
+                                    "reclaim_deferred",
+                                    serde_json::json!({ "why": why, "pid": run.worker_pid }),
+                                    now,
+                                )
+                            })
+                            .await;
+                    });
+                }
+            }
+        }
+    }
+}
