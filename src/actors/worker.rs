@@ -74,6 +74,13 @@ pub struct WorkerActor {
     claim_on_close: Option<ClaimParams>,
     /// How long a worker whose run closed by its own report may live on.
     grace: Duration,
+    /// A tree-end (terminate_tree) is running; further Terminates are redundant.
+    tree_ending: bool,
+    /// Clear the run's evidence once the running tree-end finishes.
+    clear_when_ended: bool,
+    /// The exit is recorded; the actor finishes once no tree-end is running (the reaper and
+    /// the dispatcher keep treating the run as owned until then).
+    exit_done: bool,
 }
 
 impl WorkerActor {
@@ -101,6 +108,9 @@ impl WorkerActor {
             exit_recorded: false,
             claim_on_close: None,
             grace: Duration::ZERO,
+            tree_ending: false,
+            clear_when_ended: false,
+            exit_done: false,
         }
     }
 
@@ -259,7 +269,7 @@ impl WorkerActor {
         // them) until the tree has been ended off this thread and the evidence cleared.
         let group_alive = pidfd.group_exists().unwrap_or(true);
         if group_alive {
-            self.end_tree(pidfd.clone(), true);
+            self.end_tree(pidfd.clone(), true, ctx);
         }
         let store = self.store.clone();
         let ctx_in = outcome::ExitContext {
@@ -297,53 +307,67 @@ impl WorkerActor {
                 Ok(_) => {}
                 Err(e) => tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record exit; the next supervisor's reconcile will close the run"),
             }
-            act.finish(ctx);
+            act.exit_done = true;
+            if !act.tree_ending {
+                act.finish(ctx);
+            }
         })
         .wait(ctx);
     }
 
     /// Ends the worker's whole tree (group + token-carrying descendants) on the blocking pool:
     /// blocking waits never run on an actor thread. With `then_clear`, the run's evidence is
-    /// cleared once the tree is gone (the leader exited before its group did).
-    fn end_tree(&self, pidfd: Arc<PidFd>, then_clear: bool) {
+    /// cleared once the tree is gone (the leader exited before its group did). Only one
+    /// tree-end runs at a time; the actor stays alive (and owned) until it is done, so nobody
+    /// else starts a second kill or clears the evidence early.
+    fn end_tree(&mut self, pidfd: Arc<PidFd>, then_clear: bool, ctx: &mut Context<Self>) {
+        self.clear_when_ended |= then_clear;
+        if self.tree_ending {
+            return;
+        }
+        self.tree_ending = true;
         let (run_id, token, kill) = (self.run_id(), self.spec.token.clone(), self.kill_timeout);
-        let (store, fp) = (self.store.clone(), self.fingerprint.clone());
-        actix_rt::spawn(async move {
-            let pid = pidfd.pid();
-            let ended = actix_rt::task::spawn_blocking(move || {
-                descendants::terminate_tree(&pidfd, &token, kill)
-            })
-            .await;
-            let how = match ended {
-                Ok(Ok(how)) => how.as_str(),
+        let pid = pidfd.pid();
+        async move {
+            match actix_rt::task::spawn_blocking(move || descendants::terminate_tree(&pidfd, &token, kill)).await {
+                Ok(Ok(how)) => Some(how.as_str()),
                 Ok(Err(e)) => {
                     tracing::warn!(run_id, error = %e, "worker: terminate failed; evidence kept for the reaper");
-                    return;
+                    None
                 }
                 Err(e) => {
                     tracing::warn!(run_id, error = %e, "worker: terminate task failed");
+                    None
+                }
+            }
+        }
+        .into_actor(self)
+        .then(move |how, act, _| {
+            let clear = act.clear_when_ended && how.is_some();
+            let (store, fp) = (act.store.clone(), act.fingerprint.clone());
+            async move {
+                if !clear {
                     return;
                 }
-            };
-            if then_clear {
                 let payload = serde_json::json!({ "pid": pid, "ended_by": how });
                 let cleared = store
                     .with_tx(move |tx, now| {
-                        tx.clear_worker_evidence(
-                            run_id,
-                            pid,
-                            fp.as_ref(),
-                            "worker_group_ended",
-                            payload,
-                            now,
-                        )
+                        tx.clear_worker_evidence(run_id, pid, fp.as_ref(), "worker_group_ended", payload, now)
                     })
                     .await;
                 if let Err(e) = cleared {
                     tracing::warn!(run_id, error = %e, "worker: cannot clear evidence after ending the group");
                 }
             }
-        });
+            .into_actor(act)
+        })
+        .map(|_, act, ctx| {
+            act.tree_ending = false;
+            if act.exit_done {
+                act.finish(ctx);
+            }
+        })
+        .spawn(ctx);
     }
 
     fn watch(&mut self, ctx: &mut Context<Self>) {
@@ -416,27 +440,37 @@ impl WorkerActor {
                 .await
         }
         .into_actor(self)
-        .map(|res, act, ctx| match res {
+        .map(move |res, act, ctx| match res {
             Ok(None) => {}
             // The run closed before its evidence landed: archived or reclaimed between claim
             // and spawn (end it now), or a fast report (end it after the grace, if alive).
-            Ok(Some((outcome, ended_at))) => {
-                if matches!(outcome, RunOutcome::Completed | RunOutcome::Blocked) {
-                    let due = ended_at + act.grace.as_millis() as i64;
-                    let delay = Duration::from_millis(due.saturating_sub(board::now_millis()).max(0) as u64);
-                    ctx.run_later(delay, |act, ctx| {
+            Ok(Some((outcome, ended_at))) => match act.fingerprint.clone() {
+                // The reaper drives the end (one kill, one record), with the grace it is due.
+                Some(fingerprint) => act.dispatcher.do_send(super::dispatcher::EvidenceAfterClose {
+                    run_id: act.run_id(),
+                    task_id: act.task_id(),
+                    pid,
+                    fingerprint,
+                    outcome,
+                    ended_at,
+                }),
+                // Without a fingerprint the reaper would never touch it: end it ourselves.
+                None => {
+                    let forced = !matches!(outcome, RunOutcome::Completed | RunOutcome::Blocked);
+                    let delay = if forced {
+                        Duration::ZERO
+                    } else {
+                        let due = ended_at + act.grace.as_millis() as i64;
+                        Duration::from_millis(due.saturating_sub(board::now_millis()).max(0) as u64)
+                    };
+                    ctx.run_later(delay, move |act, ctx| {
                         ctx.notify(Terminate {
                             kill_after: act.kill_timeout,
-                            reason: TerminateReason::TerminalReap,
+                            reason: if forced { TerminateReason::RunClosed } else { TerminateReason::TerminalReap },
                         })
                     });
-                } else {
-                    ctx.notify(Terminate {
-                        kill_after: act.kill_timeout,
-                        reason: TerminateReason::RunClosed,
-                    });
                 }
-            }
+            },
             Err(e) if !act.exit_recorded => {
                 // Not recorded means not reachable after a restart: do not keep it running.
                 tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record pid; ending it");
@@ -481,6 +515,11 @@ impl WorkerActor {
                     reason: TerminateReason::RunClosed,
                 }),
                 Ok(false) => {}
+                // The store is stopping (shutdown): the run stays open for the next incarnation,
+                // which enforces the limit; ending the worker now would defy `shutdown = "leave"`.
+                Err(e) if e.code == "unavailable" => {
+                    tracing::info!(run_id = act.run_id(), "worker: timeout during shutdown; left to the next incarnation");
+                }
                 // Not recorded: still end it (the limit is the limit); the exit closes the run.
                 Err(e) => {
                     tracing::warn!(run_id = act.run_id(), error = %e, "worker: timeout not recorded");
@@ -532,16 +571,16 @@ impl Handler<LeaderExited> for WorkerActor {
 
 impl Handler<Terminate> for WorkerActor {
     type Result = ();
-    fn handle(&mut self, msg: Terminate, _: &mut Self::Context) {
+    fn handle(&mut self, msg: Terminate, ctx: &mut Self::Context) {
         let Some(pidfd) = self.pidfd.clone() else {
             return;
         };
-        if self.terminating.is_some() {
+        if self.terminating.is_some() || self.tree_ending || self.exit_done {
             return;
         }
         self.terminating = Some(msg.reason);
         tracing::info!(run_id = self.run_id(), pid = pidfd.pid(), reason = ?msg.reason, "worker: terminating group");
         self.kill_timeout = msg.kill_after;
-        self.end_tree(pidfd, false);
+        self.end_tree(pidfd, false, ctx);
     }
 }

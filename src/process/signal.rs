@@ -214,11 +214,25 @@ pub fn terminate_group(pidfd: &PidFd, kill_timeout: Duration) -> Result<Ended, P
         "group still running after SIGTERM; sending SIGKILL"
     );
     match pidfd.signal_group(Signal::SIGKILL) {
-        Ok(()) => Ok(Ended::Sigkill),
+        Ok(()) => {
+            // SIGKILL cannot be ignored, but a member in uninterruptible sleep dies late:
+            // "ended" must mean gone, since callers clear the run's evidence on it (and that
+            // makes the task claimable again).
+            if !wait_group_gone(pidfd, deadline_after(AFTER_SIGKILL))? {
+                tracing::warn!(
+                    pid = pidfd.pid(),
+                    "group members outlived SIGKILL for {AFTER_SIGKILL:?}"
+                );
+            }
+            Ok(Ended::Sigkill)
+        }
         Err(ProcessError::NoSuchProcess { .. }) => Ok(Ended::Sigterm),
         Err(err) => Err(err),
     }
 }
+
+/// How long [`terminate_group`] waits for a SIGKILLed group to be gone.
+const AFTER_SIGKILL: Duration = Duration::from_secs(5);
 
 /// [`terminate_group`] for a process outside its own group: signals reach the process only.
 fn terminate_alone(pidfd: &PidFd, deadline: Instant) -> Result<Ended, ProcessError> {

@@ -58,6 +58,34 @@ pub struct WorkerFinished {
     pub task_id: TaskId,
 }
 
+/// A worker's evidence landed on a run that had already closed (archived between claim and
+/// spawn, or a report faster than the commit): its `run_closed` event carried no pid, so the
+/// reaper must hear of it now.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct EvidenceAfterClose {
+    pub run_id: RunId,
+    pub task_id: TaskId,
+    pub pid: i32,
+    pub fingerprint: Fingerprint,
+    pub outcome: RunOutcome,
+    pub ended_at: board::Millis,
+}
+
+impl Handler<EvidenceAfterClose> for DispatcherActor {
+    type Result = ();
+    fn handle(&mut self, m: EvidenceAfterClose, _: &mut Self::Context) {
+        self.notify_reaper(
+            m.run_id,
+            m.task_id,
+            m.pid,
+            m.fingerprint,
+            Some(m.outcome),
+            m.ended_at,
+        );
+    }
+}
+
 /// Live workers of this incarnation: (run, task, pid).
 #[derive(Message)]
 #[rtype(result = "Vec<(RunId, TaskId, Option<i32>)>")]
@@ -351,7 +379,9 @@ impl DispatcherActor {
     fn on_run_closed(&mut self, run_id: RunId, ev: &Event) {
         let p = &ev.payload;
         let (Some(pid), Some(boot_id), Some(ticks)) = (
-            p.get("pid").and_then(|v| v.as_i64()),
+            p.get("pid")
+                .and_then(|v| v.as_i64())
+                .and_then(|v| i32::try_from(v).ok()),
             p.get("boot_id").and_then(|v| v.as_str()),
             p.get("start_ticks").and_then(|v| v.as_u64()),
         ) else {
@@ -361,21 +391,42 @@ impl DispatcherActor {
             .get("outcome")
             .and_then(|v| v.as_str())
             .and_then(|s| s.parse().ok());
-        // A worker that closed its own run gets the grace to finish (persist, exit); a run
-        // closed by force (archived, reclaimed, timed out, stale) wants its worker gone now.
+        let fingerprint = Fingerprint {
+            boot_id: boot_id.to_string(),
+            start_ticks: ticks,
+        };
+        self.notify_reaper(
+            run_id,
+            ev.task_id.unwrap_or_default(),
+            pid,
+            fingerprint,
+            outcome,
+            ev.at,
+        );
+    }
+
+    /// Hands a closed run whose worker may be alive to the reaper, with the right grace: a
+    /// worker that closed its own run gets the grace to finish (persist, exit); a run closed by
+    /// force (archived, reclaimed, timed out, stale) wants its worker gone now.
+    fn notify_reaper(
+        &mut self,
+        run_id: RunId,
+        task_id: TaskId,
+        pid: i32,
+        fingerprint: Fingerprint,
+        outcome: Option<RunOutcome>,
+        ended_at: board::Millis,
+    ) {
         let grace = match outcome {
             Some(RunOutcome::Completed | RunOutcome::Blocked) => self.config.reaper.grace,
             _ => Duration::ZERO,
         };
         self.reaper.do_send(RunClosed {
             run_id,
-            task_id: ev.task_id.unwrap_or_default(),
-            pid: pid as i32,
-            fingerprint: Fingerprint {
-                boot_id: boot_id.to_string(),
-                start_ticks: ticks,
-            },
-            ended_at: ev.at,
+            task_id,
+            pid,
+            fingerprint,
+            ended_at,
             grace,
             worker: self.workers.get(&run_id).map(|w| w.addr.clone()),
         });

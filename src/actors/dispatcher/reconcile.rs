@@ -47,11 +47,20 @@ impl Probe {
             (None, _) if run.spawned_pid.is_some() => {
                 Probe::NotVerified(process::Liveness::Dead(process::DeadReason::NoSuchProcess))
             }
-            (None, _) => Probe::Unstarted {
-                leader: process::descendants::find_by_token(&run.token)
-                    .into_iter()
-                    .find(|(pid, _)| process::read_stat(*pid).is_ok_and(|s| s.pgrp == *pid)),
-            },
+            (None, _) => {
+                // The worker is the root of the token carriers: a group leader whose parent
+                // does not carry the token (a setsid descendant leads a group too, but its
+                // parent — or its parent's parent — is a carrier).
+                let carriers = process::descendants::find_by_token(&run.token);
+                let pids: std::collections::HashSet<i32> =
+                    carriers.iter().map(|(p, _)| *p).collect();
+                Probe::Unstarted {
+                    leader: carriers.into_iter().find(|(pid, _)| {
+                        process::read_stat(*pid)
+                            .is_ok_and(|s| s.pgrp == *pid && !pids.contains(&s.ppid))
+                    }),
+                }
+            }
         }
     }
 }
@@ -278,7 +287,7 @@ impl DispatcherActor {
                 let policy = self.policy_for(&task);
                 let store = self.store.clone();
                 let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
-                actix_rt::spawn(async move {
+                async move {
                     // The leader is gone, but what it left (group members, setsid escapees)
                     // still carries the run's token: end it before the task can run again.
                     let _ = actix_rt::task::spawn_blocking(move || {
@@ -312,7 +321,13 @@ impl DispatcherActor {
                     if let Err(e) = r {
                         tracing::warn!(run_id, error = %e, "reconcile: cannot close dead worker's run");
                     }
-                });
+                }
+                .into_actor(self)
+                // Closed or not, the next reconcile looks again (a failed close is retried).
+                .map(move |_, act, _| {
+                    act.closing.remove(&run_id);
+                })
+                .spawn(ctx);
             }
             Err(l) => {
                 // Unknown: never signalled, never released by time alone; re-checked each tick.
