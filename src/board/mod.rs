@@ -93,6 +93,18 @@ fn is_busy(e: &rusqlite::Error) -> bool {
         if matches!(f.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked))
 }
 
+/// The compare-and-swap of a task transition hit exactly one row, or the task changed under
+/// it (another writer got there first): a conflict, never a silent no-op.
+pub(crate) fn changed_one(changed: usize, task_id: TaskId) -> Result<()> {
+    if changed == 1 {
+        Ok(())
+    } else {
+        Err(BoardError::Conflict(format!(
+            "task {task_id} changed concurrently"
+        )))
+    }
+}
+
 /// Result alias for board operations.
 pub type Result<T, E = BoardError> = std::result::Result<T, E>;
 

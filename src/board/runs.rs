@@ -5,7 +5,7 @@ use rusqlite::params;
 use serde_json::json;
 
 use super::types::{Claim, ClosedRun, Failure, Millis, Run, RunId, RunOutcome, TaskId, TaskStatus};
-use super::{BoardError, Result, Tx};
+use super::{BoardError, Result, Tx, changed_one};
 use crate::process::Fingerprint;
 
 /// What `fail_run` did to the task.
@@ -91,11 +91,7 @@ impl Tx<'_> {
                  WHERE id = ?1 AND status = 'ready'",
             )?
             .execute(params![task_id, run_id, now])?;
-        if changed != 1 {
-            return Err(BoardError::Conflict(format!(
-                "task {task_id} changed concurrently"
-            )));
-        }
+        changed_one(changed, task_id)?;
         self.append_event(
             Some(task_id),
             Some(run_id),
@@ -293,11 +289,7 @@ impl Tx<'_> {
                  WHERE id = ?1 AND status = ?4",
             )?
             .execute(params![task_id, result, now, status.as_str()])?;
-        if changed != 1 {
-            return Err(BoardError::Conflict(format!(
-                "task {task_id} changed concurrently"
-            )));
-        }
+        changed_one(changed, task_id)?;
         self.append_event(
             Some(task_id),
             run,
@@ -339,11 +331,7 @@ impl Tx<'_> {
                  current_run_id = NULL WHERE id = ?1 AND status = ?4",
             )?
             .execute(params![task_id, reason, now, status.as_str()])?;
-        if changed != 1 {
-            return Err(BoardError::Conflict(format!(
-                "task {task_id} changed concurrently"
-            )));
-        }
+        changed_one(changed, task_id)?;
         self.append_event(
             Some(task_id),
             run,

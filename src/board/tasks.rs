@@ -4,7 +4,7 @@ use rusqlite::{OptionalExtension, params};
 use serde_json::json;
 
 use super::types::{ClosedRun, Created, Millis, NewTask, RunOutcome, TaskId, TaskStatus};
-use super::{BoardError, Result, Tx};
+use super::{BoardError, Result, Tx, changed_one};
 
 impl Tx<'_> {
     /// Creates a task: `ready`, or `todo` while any parent is unfinished. With an idempotency key
@@ -238,11 +238,7 @@ impl Tx<'_> {
                  WHERE id = ?1 AND status = ?3",
             )?
             .execute(params![task_id, now, task.status.as_str()])?;
-        if changed != 1 {
-            return Err(BoardError::Conflict(format!(
-                "task {task_id} changed concurrently"
-            )));
-        }
+        changed_one(changed, task_id)?;
         self.append_event(
             Some(task_id),
             None,
