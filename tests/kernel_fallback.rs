@@ -5,59 +5,20 @@
 #[allow(dead_code)]
 mod common;
 
-use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::groups::{self, SETTLE, assert_all_gone, members};
 use common::proc_guard::{ChildGuard, wait_until};
 use runwarden::process::{
-    DeadReason, Ended, Fingerprint, Liveness, Pid, PidFd, PidfdSignaller, Signal, fingerprint,
-    force_group_signal_fallback, group_alive, group_members, liveness, read_stat, reap_orphans,
-    terminate, terminate_group,
+    DeadReason, Ended, Liveness, Pid, PidFd, PidfdSignaller, Signal, fingerprint,
+    force_group_signal_fallback, liveness, read_stat, reap_orphans, terminate, terminate_group,
 };
-
-/// Generous bound for the kernel to catch up; every wait polls, none sleeps blindly.
-const SETTLE: Duration = Duration::from_secs(10);
 
 /// Spawns `sh -c script` as the leader of its own process group, with the fallback forced.
 fn spawn_group(script: &str) -> ChildGuard {
     force_group_signal_fallback(true);
-    ChildGuard::spawn(
-        Command::new("sh")
-            .args(["-c", script])
-            .stdin(Stdio::null())
-            .process_group(0),
-    )
-    .expect("spawn sh")
-}
-
-/// Waits for the group to have `n` live members; returns them with their fingerprints.
-fn members(pgid: Pid, n: usize) -> Vec<(Pid, Fingerprint)> {
-    assert!(
-        wait_until(SETTLE, || group_members(pgid).len() == n),
-        "group {pgid} never had {n} members: {:?}",
-        group_members(pgid)
-    );
-    group_members(pgid)
-        .into_iter()
-        .map(|pid| (pid, fingerprint(pid).expect("fingerprint of a member")))
-        .collect()
-}
-
-/// Asserts (bounded poll) that nothing of the group is left running.
-fn assert_all_gone(pgid: Pid, procs: &[(Pid, Fingerprint)]) {
-    assert!(
-        wait_until(SETTLE, || !group_alive(pgid)),
-        "group {pgid} still has {:?}",
-        group_members(pgid)
-    );
-    for (pid, fp) in procs {
-        assert!(
-            wait_until(SETTLE, || matches!(liveness(*pid, fp), Liveness::Dead(_))),
-            "member {pid} survived: {:?}",
-            liveness(*pid, fp)
-        );
-    }
+    groups::spawn_group(script)
 }
 
 #[test]

@@ -11,56 +11,13 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use common::groups::{SETTLE, assert_all_gone, members, spawn_group};
 use common::proc_guard::{ChildGuard, wait_until};
 use runwarden::process::{
     DeadReason, Ended, Fingerprint, Liveness, Pid, PidFd, PidfdSignaller, ProcessError, Sent,
-    Signal, Signaller, become_subreaper, fingerprint, group_alive, group_members, liveness,
-    read_stat, reap_orphans, terminate, terminate_group,
+    Signal, Signaller, become_subreaper, fingerprint, group_members, liveness, read_stat,
+    reap_orphans, terminate, terminate_group,
 };
-
-/// Generous bound for the kernel and init to catch up; every wait polls, none sleeps blindly.
-const SETTLE: Duration = Duration::from_secs(10);
-
-/// Spawns `sh -c script` as the leader of its own process group.
-fn spawn_group(script: &str) -> ChildGuard {
-    ChildGuard::spawn(
-        Command::new("sh")
-            .args(["-c", script])
-            .stdin(Stdio::null())
-            .process_group(0),
-    )
-    .expect("spawn sh")
-}
-
-/// Waits for the group to have `n` live members; returns them with their fingerprints.
-fn members(pgid: Pid, n: usize) -> Vec<(Pid, Fingerprint)> {
-    assert!(
-        wait_until(SETTLE, || group_members(pgid).len() == n),
-        "group {pgid} never had {n} members: {:?}",
-        group_members(pgid)
-    );
-    group_members(pgid)
-        .into_iter()
-        .map(|pid| (pid, fingerprint(pid).expect("fingerprint of a member")))
-        .collect()
-}
-
-/// Asserts (bounded poll) that nothing of the group is left running.
-fn assert_all_gone(pgid: Pid, procs: &[(Pid, Fingerprint)]) {
-    assert!(
-        wait_until(SETTLE, || !group_alive(pgid)),
-        "group {pgid} still has {:?}",
-        group_members(pgid)
-    );
-    for (pid, fp) in procs {
-        // Gone, a zombie awaiting its reaper, or its pid already reused: dead in every case.
-        assert!(
-            wait_until(SETTLE, || matches!(liveness(*pid, fp), Liveness::Dead(_))),
-            "member {pid} survived: {:?}",
-            liveness(*pid, fp)
-        );
-    }
-}
 
 #[test]
 fn sigterm_ends_the_leader_and_both_sleeps() {
