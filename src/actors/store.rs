@@ -21,6 +21,8 @@ use crate::board::{self, Board, BoardError, Event, EventId, Millis, OpenOptions,
 
 /// Most ops committed in one transaction; bounds the latency of the first op in a burst.
 const MAX_BATCH: usize = 1024;
+/// Messages the StoreActor's mailbox holds before senders wait.
+const STORE_MAILBOX: usize = 65_536;
 /// How long a batch that already has company waits for more (see `writer_loop`).
 const LINGER: std::time::Duration = std::time::Duration::from_micros(200);
 /// Events buffered per subscriber before it is told it lagged (and re-reads from the board).
@@ -212,6 +214,13 @@ impl StoreActor {
 
 impl Actor for StoreActor {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        // actix's default mailbox holds 16 messages; past that, senders park and are resumed in
+        // no set order. Every write of the supervisor comes through here, in bursts (a pipelining
+        // client, a pass claiming for many workers): keep arrival order and never park them.
+        ctx.set_mailbox_capacity(STORE_MAILBOX);
+    }
 
     fn stopped(&mut self, _: &mut Self::Context) {
         // Closing the queue lets the writer finish what is queued, commit, and exit; joining
