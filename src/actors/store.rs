@@ -21,6 +21,8 @@ use crate::board::{self, Board, BoardError, Event, EventId, Millis, OpenOptions,
 
 /// Most ops committed in one transaction; bounds the latency of the first op in a burst.
 const MAX_BATCH: usize = 1024;
+/// Read-only connections for queries.
+const READERS: usize = 4;
 /// Messages the StoreActor's mailbox holds before senders wait.
 const STORE_MAILBOX: usize = 65_536;
 /// How long a batch that already has company waits for more (see `writer_loop`).
@@ -104,9 +106,10 @@ pub struct StoreActor {
 pub struct Store {
     pub addr: Addr<StoreActor>,
     events: broadcast::Sender<Arc<Event>>,
-    /// A read-only connection: in WAL mode readers never wait for the writer, so queries
-    /// (`show`, `ls`, `wait`) do not queue behind writes.
-    reader: Arc<Mutex<Board>>,
+    /// Read-only connections: in WAL mode readers never wait for the writer, so queries
+    /// (`show`, `ls`, `wait`, the sweeps) do not queue behind writes, nor — up to the pool's
+    /// size — behind each other.
+    readers: Arc<[Mutex<Board>]>,
 }
 
 impl Store {
@@ -132,7 +135,12 @@ impl Store {
         &self,
         f: impl FnOnce(&Tx<'_>) -> board::Result<T>,
     ) -> Result<T, StoreError> {
-        let mut board = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        // A free connection if there is one, else wait for the first.
+        let mut board = self
+            .readers
+            .iter()
+            .find_map(|r| r.try_lock().ok())
+            .unwrap_or_else(|| self.readers[0].lock().unwrap_or_else(|p| p.into_inner()));
         board.read(f).map_err(StoreError::from)
     }
 
@@ -185,13 +193,18 @@ impl StoreActor {
     pub fn start_on(path: PathBuf, opts: OpenOptions) -> Result<Store, BoardError> {
         let mut board = Board::open_with(&path, opts)?;
         let watermark = board.read(|tx| tx.last_event_id())?;
-        let reader = Board::open_with(
-            &path,
-            OpenOptions {
-                read_only: true,
-                ..opts
-            },
-        )?;
+        let readers = (0..READERS)
+            .map(|_| {
+                Board::open_with(
+                    &path,
+                    OpenOptions {
+                        read_only: true,
+                        ..opts
+                    },
+                )
+                .map(Mutex::new)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
         let (events, _) = broadcast::channel(EVENT_CHANNEL);
         let feed = events.clone();
@@ -207,7 +220,7 @@ impl StoreActor {
         Ok(Store {
             addr,
             events,
-            reader: Arc::new(Mutex::new(reader)),
+            readers: readers.into(),
         })
     }
 }
