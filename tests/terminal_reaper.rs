@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use common::board::{
     FailingFor, GRACE, KILL_TIMEOUT, LEASE_MS, RecordingSignaller, SETTLE, assert_evidence_cleared,
-    assert_evidence_kept, completed_with_worker, events_of, exits_within_settle, group_leader,
-    kinds, run, sleeper, still_running, temp_board,
+    assert_evidence_kept, assert_no_reaper_event, completed_with_worker, events_of,
+    exits_within_settle, group_leader, kinds, run, sleeper, still_running, temp_board,
 };
 use common::proc_guard::wait_until;
 use runwarden::board::{
@@ -164,12 +164,10 @@ fn recycled_fingerprint_and_legacy_row_are_never_signalled() {
     let legacy_row = run(&mut tb.board, legacy_run);
     assert_evidence_kept(&legacy_row, legacy.pid(), None);
     assert_eq!(legacy_row.spawned_pid, Some(i64::from(legacy.pid())));
-    let legacy_kinds = kinds(&mut tb.board, legacy_task);
-    assert!(
-        !legacy_kinds
-            .iter()
-            .any(|k| k.starts_with("terminal_worker")),
-        "no reaper event on a legacy row: {legacy_kinds:?}"
+    assert_no_reaper_event(
+        &mut tb.board,
+        legacy_task,
+        "no reaper event on a legacy row",
     );
 
     // Still true on the next sweep.
@@ -325,13 +323,7 @@ fn one_failing_row_does_not_abort_the_sweep() {
         broken.pid(),
         Some(&broken_fp),
     );
-    let broken_kinds = kinds(&mut tb.board, broken_task);
-    assert!(
-        !broken_kinds
-            .iter()
-            .any(|k| k.starts_with("terminal_worker")),
-        "{broken_kinds:?}"
-    );
+    assert_no_reaper_event(&mut tb.board, broken_task, "the failing row is kept");
 
     // A later sweep with a working signaller ends it.
     let retried = reap_terminal_workers(

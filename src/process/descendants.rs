@@ -110,15 +110,17 @@ fn run_vars(env: &[u8]) -> (Option<String>, Option<i64>) {
 /// that found it (read before its environment, so a later `open_verified` against it proves the
 /// environment was this process's), and its run token and run id, if it carries them.
 pub fn live_orphans() -> Vec<Orphan> {
-    let me = std::process::id() as Pid;
+    live_orphans_among(&super::own_children())
+}
+
+/// [`live_orphans`] over children already scanned by [`super::own_children`].
+pub fn live_orphans_among(children: &[super::ProcStat]) -> Vec<Orphan> {
     let Ok(boot_id) = super::boot_id() else {
         return Vec::new();
     };
-    let Some(stats) = super::liveness::all_stats() else {
-        return Vec::new();
-    };
-    stats
-        .filter(|s| s.ppid == me && !s.is_zombie() && !super::owned::is_registered(s.pid))
+    children
+        .iter()
+        .filter(|s| !s.is_zombie() && !super::owned::is_registered(s.pid))
         .map(|s| {
             let (token, run_id) = read_environ(s.pid)
                 .map(|env| run_vars(&env))
@@ -145,8 +147,17 @@ pub fn live_orphans() -> Vec<Orphan> {
 /// read before its environment (SIGTERM; SIGKILL after `kill_timeout`). Blocking. Returns the
 /// pids ended.
 pub fn end_stray_orphans(is_stray: &dyn Fn(i64, &str) -> bool, kill_timeout: Duration) -> Vec<Pid> {
+    end_stray_orphans_among(&super::own_children(), is_stray, kill_timeout)
+}
+
+/// [`end_stray_orphans`] over children already scanned by [`super::own_children`].
+pub fn end_stray_orphans_among(
+    children: &[super::ProcStat],
+    is_stray: &dyn Fn(i64, &str) -> bool,
+    kill_timeout: Duration,
+) -> Vec<Pid> {
     let mut fds = Vec::new();
-    for orphan in live_orphans() {
+    for orphan in live_orphans_among(children) {
         let (Some(token), Some(run_id)) = (&orphan.token, orphan.run_id) else {
             continue;
         };

@@ -9,7 +9,7 @@ use nix::errno::Errno;
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 
 use super::liveness::all_stats;
-use super::{Pid, ProcessError};
+use super::{Pid, ProcStat, ProcessError};
 
 /// Make this process a child subreaper (prctl PR_SET_CHILD_SUBREAPER) so orphaned descendants of
 /// workers re-parent to us.
@@ -29,12 +29,23 @@ pub fn become_subreaper() -> Result<(), ProcessError> {
 /// `keep(pid)` must be true for every child that something else will wait for (a worker's
 /// `Child`, any other `Command` the process runs): reaping it here would steal its exit status.
 pub fn reap_orphans(keep: &dyn Fn(Pid) -> bool) -> Vec<Pid> {
+    reap_orphans_among(&own_children(), keep)
+}
+
+/// Our children as one scan of /proc sees them (zombies included): what [`reap_orphans_among`]
+/// and the stray-descendant sweep both work from, so a tick scans /proc once, not twice.
+pub fn own_children() -> Vec<ProcStat> {
     let me = std::process::id() as Pid;
-    let Some(stats) = all_stats() else {
-        return Vec::new();
-    };
-    let orphans: Vec<Pid> = stats
-        .filter(|stat| stat.ppid == me && stat.is_zombie())
+    all_stats()
+        .map(|stats| stats.filter(|stat| stat.ppid == me).collect())
+        .unwrap_or_default()
+}
+
+/// [`reap_orphans`] over children already scanned by [`own_children`].
+pub fn reap_orphans_among(children: &[ProcStat], keep: &dyn Fn(Pid) -> bool) -> Vec<Pid> {
+    let orphans: Vec<Pid> = children
+        .iter()
+        .filter(|stat| stat.is_zombie())
         .map(|stat| stat.pid)
         .filter(|&pid| !keep(pid))
         .collect();

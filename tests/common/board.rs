@@ -134,6 +134,15 @@ pub fn kinds(board: &mut Board, task: TaskId) -> Vec<String> {
     events(board, task).into_iter().map(|e| e.kind).collect()
 }
 
+/// Asserts the task has no terminal-reaper event at all (its worker was never dealt with).
+pub fn assert_no_reaper_event(board: &mut Board, task: TaskId, what: &str) {
+    let kinds = kinds(board, task);
+    assert!(
+        !kinds.iter().any(|k| k.starts_with("terminal_worker")),
+        "{what}: {kinds:?}"
+    );
+}
+
 /// Asserts the run still holds its worker evidence: pid and (if given) fingerprint.
 pub fn assert_evidence_kept(run: &Run, pid: Pid, fp: Option<&Fingerprint>) {
     assert_eq!(

@@ -469,6 +469,8 @@ impl DispatcherActor {
         actix_rt::task::spawn_blocking(move || {
             let _running = running;
             if subreaper {
+                // One /proc scan per tick serves both sweeps below.
+                let children = process::own_children();
                 // Escaped descendants of finished runs (setsid, double fork), re-parented to us.
                 // Only runs this board can vouch for: the run exists here with that very token
                 // and is closed. An orphan carrying an unknown token belongs to another
@@ -480,13 +482,14 @@ impl DispatcherActor {
                             .read_blocking(|tx| tx.get_run(run_id))
                             .is_ok_and(|run| run.token == token && !run.is_open())
                 };
-                let ended = process::descendants::end_stray_orphans(&is_stray, kill);
+                let ended =
+                    process::descendants::end_stray_orphans_among(&children, &is_stray, kill);
                 if !ended.is_empty() {
                     tracing::info!(?ended, "ended descendants that outlived their run");
                 }
                 // Never a child some owner will reap itself (worker leaders, hooks): process-wide,
                 // since several supervisors may share this process.
-                let reaped = process::reap_orphans(&process::owned::is_registered);
+                let reaped = process::reap_orphans_among(&children, &process::owned::is_registered);
                 if !reaped.is_empty() {
                     tracing::debug!(?reaped, "reaped orphaned descendants");
                 }
