@@ -125,7 +125,7 @@ fn plain_batches(path: &Path, n: usize, batch: usize) -> Result<Duration, String
         let ops: Vec<BatchOp<'_>> = (i..i + k)
             .map(|j| Box::new(move |tx: &Tx<'_>| append(tx, j, now)) as BatchOp<'_>)
             .collect();
-        for r in b.write_batch(ops).map_err(|e| e.to_string())? {
+        for r in b.write_batch(ops).map_err(|e| e.to_string())?.results {
             r.map_err(|e| e.to_string())?;
         }
         i += k;
@@ -208,35 +208,6 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
         println!("profile: plain Board::write_batch, {batch} ops/commit, no actor: {r:.0}/s");
         ceilings.push((batch, r));
     }
-    // The writer re-reads every committed event (events_since + JSON parse) to publish it,
-    // whether or not anyone subscribed.
-    let mut reader = Board::open_with(
-        &dir.join("callers.db"),
-        OpenOptions {
-            read_only: true,
-            ..FULL
-        },
-    )
-    .map_err(|e| e.to_string())?;
-    let t = Instant::now();
-    let mut after = 0;
-    let mut read = 0usize;
-    loop {
-        let evs = reader
-            .read(|tx| tx.events_since(after, 4096))
-            .map_err(|e| e.to_string())?;
-        if evs.is_empty() {
-            break;
-        }
-        read += evs.len();
-        after = evs.last().map(|e| e.id).unwrap_or(after);
-    }
-    let per_event_us = t.elapsed().as_secs_f64() * 1e6 / read.max(1) as f64;
-    println!(
-        "profile: publish re-read (events_since + JSON parse) {per_event_us:.2} µs/event = {:.0}% of the {}-caller run",
-        per_event_us * n as f64 / 1e6 / g.elapsed.as_secs_f64() * 100.0,
-        opts.callers
-    );
     let commit_ms = mean(&lat_ms);
 
     let v_callers = summary.verdict(rate >= TARGET);
@@ -251,7 +222,7 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
         burst_rate / base_rate,
     ));
     summary.line(format!(
-        "store.profile: plain write_batch {} | no-op ops via actor {null_rate:.0}/s ({:.1}us/op) | publish re-read {per_event_us:.2}us/event",
+        "store.profile: plain write_batch {} | no-op ops via actor {null_rate:.0}/s ({:.1}us/op)",
         ceilings
             .iter()
             .map(|(b, r)| format!("{b}/commit={r:.0}/s"))

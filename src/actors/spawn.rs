@@ -10,6 +10,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 
 use crate::board::{RunId, TaskId};
 use crate::process::{self, Fingerprint, PidFd};
@@ -77,10 +78,8 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         .stderr(log_err)
         .process_group(0);
     // A supervisor started from inside a worker must not leak its own run's identity.
-    for (key, _) in std::env::vars_os() {
-        if key.to_string_lossy().starts_with("RUNWARDEN_") {
-            cmd.env_remove(&key);
-        }
+    for key in inherited_runwarden_vars() {
+        cmd.env_remove(key);
     }
     if let Some(path) = path_with_own_binary() {
         cmd.env("PATH", path);
@@ -158,16 +157,30 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
 
 /// Opens the task's log for appending, rotating it first when it has reached `max_bytes`.
 fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
+    let open = || OpenOptions::new().create(true).append(true).open(path);
+    let file = match open() {
+        Ok(f) => f,
+        // The log directory is created on first need (once per data dir, not once per run).
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(dir) = path.parent() {
+                fs::create_dir_all(dir)
+                    .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
+            }
+            open().map_err(|e| format!("cannot open log file {}: {e}", path.display()))?
+        }
+        Err(e) => return Err(format!("cannot open log file {}: {e}", path.display())),
+    };
+    // Sized through the open handle: a fresh log (the common case) costs no second lookup.
+    let full = file
+        .metadata()
+        .map(|m| m.len() >= max_bytes)
+        .unwrap_or(false);
+    if !full {
+        return Ok(file);
     }
+    drop(file);
     rotate_if_needed(path, max_bytes);
-    OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|e| format!("cannot open log file {}: {e}", path.display()))
+    open().map_err(|e| format!("cannot open log file {}: {e}", path.display()))
 }
 
 /// Copy-then-truncate rotation, keeping one backup (`<name>.1`). Copying (rather than
@@ -210,6 +223,12 @@ pub fn log_tail(path: &Path, n: u64) -> String {
 /// works inside a worker of `cargo run -- serve`. Embedding programs are not named runwarden
 /// and leave PATH alone.
 fn path_with_own_binary() -> Option<std::ffi::OsString> {
+    // Computed once: the binary and the supervisor's PATH do not change while it runs.
+    static PATH: OnceLock<Option<std::ffi::OsString>> = OnceLock::new();
+    PATH.get_or_init(compute_path_with_own_binary).clone()
+}
+
+fn compute_path_with_own_binary() -> Option<std::ffi::OsString> {
     let exe = std::env::current_exe().ok()?;
     if exe.file_name()? != "runwarden" {
         return None;
@@ -220,6 +239,18 @@ fn path_with_own_binary() -> Option<std::ffi::OsString> {
         parts.extend(std::env::split_paths(&p));
     }
     std::env::join_paths(parts).ok()
+}
+
+/// The `RUNWARDEN_*` variables of the supervisor's own environment (set when it was itself
+/// started inside a worker), read once.
+fn inherited_runwarden_vars() -> &'static [std::ffi::OsString] {
+    static VARS: OnceLock<Vec<std::ffi::OsString>> = OnceLock::new();
+    VARS.get_or_init(|| {
+        std::env::vars_os()
+            .map(|(key, _)| key)
+            .filter(|key| key.to_string_lossy().starts_with("RUNWARDEN_"))
+            .collect()
+    })
 }
 
 fn rlimit_pairs(

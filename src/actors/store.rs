@@ -4,11 +4,11 @@
 //! that owns the read-write connection. The thread drains whatever has queued up into ONE
 //! transaction (group commit: a burst of N writes costs one fsync, not N), runs each op in its
 //! own savepoint (a refused transition fails only its caller), commits, and only then answers
-//! each caller — a reply always means "durable". After each commit it reads the events the
-//! batch appended and publishes them, in id order, to every subscriber (dispatcher, reaper,
-//! `events --follow`).
+//! each caller — a reply always means "durable". After each commit it publishes the events the
+//! batch appended, in id order, to every subscriber (dispatcher, reaper, `events --follow`).
 
 use std::any::Any;
+use std::future::Future;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -95,9 +95,16 @@ struct Job {
     reply: Box<dyn FnOnce(Result<Erased, StoreError>) + Send>,
 }
 
+/// What the writer thread's queue carries.
+enum Queued {
+    Job(Job),
+    /// Commit what came before, then exit (sent once, by the actor when it stops).
+    Stop,
+}
+
 /// The StoreActor. Start it with [`StoreActor::start_on`].
 pub struct StoreActor {
-    jobs: Option<mpsc::Sender<Job>>,
+    jobs: mpsc::Sender<Queued>,
     writer: Option<thread::JoinHandle<()>>,
 }
 
@@ -105,6 +112,10 @@ pub struct StoreActor {
 #[derive(Clone)]
 pub struct Store {
     pub addr: Addr<StoreActor>,
+    /// The writer thread's queue. Ops go straight into it from whichever thread calls: a trip
+    /// through the actor's mailbox would cost every write an extra turn of the actor thread,
+    /// which is shared with every worker and the dispatcher.
+    jobs: mpsc::Sender<Queued>,
     events: broadcast::Sender<Arc<Event>>,
     /// Read-only connections: in WAL mode readers never wait for the writer, so queries
     /// (`show`, `ls`, `wait`, the sweeps) do not queue behind writes, nor — up to the pool's
@@ -115,10 +126,7 @@ pub struct Store {
 impl Store {
     /// Runs `op` and waits until it is committed.
     pub async fn call<O: StoreOp>(&self, op: O) -> Result<O::Output, StoreError> {
-        match self.addr.send(Exec(op)).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::stopped()),
-        }
+        submit(&self.jobs, op).await
     }
 
     /// Runs a closure over a transaction and waits until it is committed.
@@ -205,7 +213,7 @@ impl StoreActor {
                 .map(Mutex::new)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
+        let (jobs_tx, jobs_rx) = mpsc::channel::<Queued>();
         let (events, _) = broadcast::channel(EVENT_CHANNEL);
         let feed = events.clone();
         let writer = thread::Builder::new()
@@ -213,12 +221,13 @@ impl StoreActor {
             .spawn(move || writer_loop(board, jobs_rx, feed, watermark))
             .map_err(|e| BoardError::Invalid(format!("cannot start the store thread: {e}")))?;
         let addr = StoreActor {
-            jobs: Some(jobs_tx),
+            jobs: jobs_tx.clone(),
             writer: Some(writer),
         }
         .start();
         Ok(Store {
             addr,
+            jobs: jobs_tx,
             events,
             readers: readers.into(),
         })
@@ -236,9 +245,10 @@ impl Actor for StoreActor {
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
-        // Closing the queue lets the writer finish what is queued, commit, and exit; joining
-        // it here means a stopped store has flushed everything it accepted.
-        self.jobs.take();
+        // The writer finishes what is queued ahead of the stop, commits, and exits; joining it
+        // here means a stopped store has flushed everything it accepted. Ops sent after the
+        // stop are dropped unanswered, which their callers see as "unavailable".
+        let _ = self.jobs.send(Queued::Stop);
         if let Some(w) = self.writer.take() {
             let _ = w.join();
         }
@@ -249,25 +259,37 @@ impl<O: StoreOp> Handler<Exec<O>> for StoreActor {
     type Result = ResponseFuture<Result<O::Output, StoreError>>;
 
     fn handle(&mut self, msg: Exec<O>, _: &mut Self::Context) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
-        let job = Job {
-            op: Box::new(move |t, now| msg.0.apply(t, now).map(|o| Box::new(o) as Erased)),
-            reply: Box::new(move |r| {
-                let typed = r.map(|b| *b.downcast::<O::Output>().expect("op output type"));
-                let _ = tx.send(typed);
-            }),
-        };
-        let sent = self
-            .jobs
-            .as_ref()
-            .map(|j| j.send(job).is_ok())
-            .unwrap_or(false);
-        Box::pin(async move {
-            if !sent {
-                return Err(StoreError::stopped());
-            }
-            rx.await.unwrap_or_else(|_| Err(StoreError::stopped()))
-        })
+        Box::pin(submit(&self.jobs, msg.0))
+    }
+}
+
+/// Queues `op` for the writer thread; resolves once it is committed (or refused).
+fn submit<O: StoreOp>(
+    jobs: &mpsc::Sender<Queued>,
+    op: O,
+) -> impl Future<Output = Result<O::Output, StoreError>> + 'static {
+    let (tx, rx) = oneshot::channel();
+    let job = Job {
+        op: Box::new(move |t, now| op.apply(t, now).map(|o| Box::new(o) as Erased)),
+        reply: Box::new(move |r| {
+            let typed = r.map(|b| *b.downcast::<O::Output>().expect("op output type"));
+            let _ = tx.send(typed);
+        }),
+    };
+    let sent = jobs.send(Queued::Job(job)).is_ok();
+    async move {
+        if !sent {
+            return Err(StoreError::stopped());
+        }
+        rx.await.unwrap_or_else(|_| Err(StoreError::stopped()))
+    }
+}
+
+impl Drop for StoreActor {
+    fn drop(&mut self) {
+        // A system torn down without stopping its actors still lets the writer commit what it
+        // has and exit (the handles' senders would otherwise keep it waiting forever).
+        let _ = self.jobs.send(Queued::Stop);
     }
 }
 
@@ -283,32 +305,42 @@ impl Handler<Flush> for StoreActor {
     }
 }
 
-/// Moves every queued job into `batch`, up to [`MAX_BATCH`].
-fn drain(jobs: &mpsc::Receiver<Job>, batch: &mut Vec<Job>) {
+/// Moves every queued job into `batch`, up to [`MAX_BATCH`]. False once the stop was seen.
+fn drain(jobs: &mpsc::Receiver<Queued>, batch: &mut Vec<Job>) -> bool {
     while batch.len() < MAX_BATCH {
         match jobs.try_recv() {
-            Ok(j) => batch.push(j),
+            Ok(Queued::Job(j)) => batch.push(j),
+            Ok(Queued::Stop) => return false,
             Err(_) => break,
         }
     }
+    true
 }
 
 fn writer_loop(
     mut board: Board,
-    jobs: mpsc::Receiver<Job>,
+    jobs: mpsc::Receiver<Queued>,
     feed: broadcast::Sender<Arc<Event>>,
     mut watermark: EventId,
 ) {
-    while let Ok(first) = jobs.recv() {
+    let mut open = true;
+    while open {
+        let Ok(Queued::Job(first)) = jobs.recv() else {
+            break;
+        };
         let mut batch = vec![first];
-        drain(&jobs, &mut batch);
-        if batch.len() > 1 && batch.len() < MAX_BATCH {
+        open = drain(&jobs, &mut batch);
+        if open && batch.len() > 1 && batch.len() < MAX_BATCH {
             // Concurrent writers are about: linger a moment (like PostgreSQL's commit_delay)
             // so callers answered by the previous commit can join this one. A lone write
             // (batch of one) never waits.
-            if let Ok(j) = jobs.recv_timeout(LINGER) {
-                batch.push(j);
-                drain(&jobs, &mut batch);
+            match jobs.recv_timeout(LINGER) {
+                Ok(Queued::Job(j)) => {
+                    batch.push(j);
+                    open = drain(&jobs, &mut batch);
+                }
+                Ok(Queued::Stop) => open = false,
+                Err(_) => {}
             }
         }
         let now = now_millis();
@@ -321,11 +353,11 @@ fn writer_loop(
             })
             .collect();
         match board.write_batch(ops) {
-            Ok(results) => {
+            Ok(committed) => {
                 // Publish before replying: a caller that gets "ok" and then subscribes-and-reads
                 // never misses the events of its own write.
-                watermark = publish(&mut board, &feed, watermark);
-                for (reply, result) in replies.into_iter().zip(results) {
+                watermark = publish(&mut board, &feed, watermark, committed.events);
+                for (reply, result) in replies.into_iter().zip(committed.results) {
                     reply(result.map_err(StoreError::from));
                 }
             }
@@ -341,8 +373,35 @@ fn writer_loop(
     tracing::debug!("store: queue closed, writer exits");
 }
 
-/// Sends every event committed after `watermark` to the subscribers; returns the new watermark.
+/// Sends the events a batch committed to the subscribers, in id order; returns the new
+/// watermark. They are the batch's own record of what it appended, so nothing is read back —
+/// unless they do not follow on from `watermark` (something else wrote to the board), in which
+/// case everything after the watermark is read from the board, so no event is ever skipped.
 fn publish(
+    board: &mut Board,
+    feed: &broadcast::Sender<Arc<Event>>,
+    watermark: EventId,
+    appended: Vec<Event>,
+) -> EventId {
+    let contiguous = appended
+        .iter()
+        .zip(watermark + 1..)
+        .all(|(ev, expected)| ev.id == expected);
+    if !contiguous {
+        return publish_from_board(board, feed, watermark);
+    }
+    let mut last = watermark;
+    for ev in appended {
+        last = ev.id;
+        // No subscriber is fine (send errs only then).
+        let _ = feed.send(Arc::new(ev));
+    }
+    last
+}
+
+/// Sends every event committed after `watermark`, read from the board; returns the new
+/// watermark.
+fn publish_from_board(
     board: &mut Board,
     feed: &broadcast::Sender<Arc<Event>>,
     mut watermark: EventId,
@@ -358,7 +417,6 @@ fn publish(
         let more = events.len() == 4096;
         for ev in events {
             watermark = ev.id;
-            // No subscriber is fine (send errs only then).
             let _ = feed.send(Arc::new(ev));
         }
         if !more {

@@ -21,7 +21,18 @@ impl Tx<'_> {
                 "INSERT INTO task_events (task_id, run_id, kind, payload, at) VALUES (?1, ?2, ?3, ?4, ?5)",
             )?
             .execute(params![task_id, run_id, kind, payload.to_string(), now])?;
-        Ok(self.conn.last_insert_rowid())
+        let id = self.conn.last_insert_rowid();
+        if let Some(appended) = self.appended {
+            appended.borrow_mut().push(Event {
+                id,
+                task_id,
+                run_id,
+                kind: kind.to_string(),
+                payload,
+                at: now,
+            });
+        }
+        Ok(id)
     }
 
     /// Events with id greater than `after`, oldest first, at most `limit`.

@@ -17,6 +17,7 @@ mod schema;
 mod tasks;
 mod types;
 
+use std::cell::RefCell;
 use std::path::Path;
 use std::time::Duration;
 
@@ -190,6 +191,11 @@ impl Board {
             .map_err(wrap)?;
         conn.pragma_update(None, "foreign_keys", "ON")
             .map_err(wrap)?;
+        // Savepoint journals (every op of a group commit has one) and sorts stay in memory:
+        // the default spills them to a temporary file once they pass 64 KiB, which made every
+        // batch pay file writes, and a close and unlink at its end.
+        conn.pragma_update(None, "temp_store", "MEMORY")
+            .map_err(wrap)?;
         if !opts.read_only {
             schema::migrate(&mut conn)?;
         }
@@ -201,7 +207,7 @@ impl Board {
         let tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-        let out = f(&Tx { conn: &tx })?;
+        let out = f(&Tx::new(&tx, None))?;
         tx.commit()?;
         Ok(out)
     }
@@ -211,33 +217,46 @@ impl Board {
         let tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Deferred)?;
-        let out = f(&Tx { conn: &tx })?;
+        let out = f(&Tx::new(&tx, None))?;
         tx.finish()?;
         Ok(out)
     }
 
     /// Runs every op of `batch` in ONE write transaction (group commit), each inside its own
     /// savepoint: an op that fails is rolled back alone and the others still commit. Returns
-    /// each op's result in order, or the commit error when the transaction as a whole failed
-    /// (then nothing of the batch is durable).
-    pub fn write_batch<T>(&mut self, batch: Vec<BatchOp<'_, T>>) -> Result<Vec<Result<T>>> {
-        let mut tx = self
+    /// each op's result in order, plus the events the committed ops appended (id order), or
+    /// the commit error when the transaction as a whole failed (then nothing of the batch is
+    /// durable).
+    pub fn write_batch<T>(&mut self, batch: Vec<BatchOp<'_, T>>) -> Result<Committed<T>> {
+        let tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let appended = RefCell::new(Vec::new());
+        let txn = Tx::new(&tx, Some(&appended));
         let mut results = Vec::with_capacity(batch.len());
-        for op in batch {
-            let sp = tx.savepoint()?;
-            let out = op(&Tx { conn: &sp });
-            if out.is_ok() {
-                sp.commit()?;
-            } else {
-                // Dropping the savepoint rolls back this op only.
-                drop(sp);
+        if batch.len() == 1 {
+            // A lone op needs no savepoint: the transaction itself undoes a refused op (and a
+            // savepoint costs a copy of every page the op touches).
+            let op = batch.into_iter().next().expect("one op");
+            let out = op(&txn);
+            if out.is_err() {
+                drop(tx);
+                return Ok(Committed {
+                    results: vec![out],
+                    events: Vec::new(),
+                });
             }
             results.push(out);
+        } else {
+            for op in batch {
+                results.push(txn.nested(op));
+            }
         }
         tx.commit()?;
-        Ok(results)
+        Ok(Committed {
+            results,
+            events: appended.into_inner(),
+        })
     }
 
     /// Runs `PRAGMA integrity_check` and returns its first line (`"ok"` when healthy).
@@ -258,24 +277,47 @@ impl Board {
 /// One op of [`Board::write_batch`].
 pub type BatchOp<'a, T> = Box<dyn FnOnce(&Tx<'_>) -> Result<T> + 'a>;
 
+/// What [`Board::write_batch`] committed: each op's result, in order, and the events the
+/// successful ops appended, in id order (what a subscriber must be told, without reading
+/// them back).
+#[derive(Debug)]
+pub struct Committed<T> {
+    pub results: Vec<Result<T>>,
+    pub events: Vec<Event>,
+}
+
 /// An open transaction on the board. Every transition and query is a method of `Tx`.
 pub struct Tx<'a> {
     conn: &'a Connection,
+    /// Events appended in this transaction, when the caller wants them (group commit).
+    appended: Option<&'a RefCell<Vec<Event>>>,
 }
 
-impl Tx<'_> {
+impl<'a> Tx<'a> {
+    fn new(conn: &'a Connection, appended: Option<&'a RefCell<Vec<Event>>>) -> Self {
+        Tx { conn, appended }
+    }
+
     /// Runs `f` in a nested savepoint: if it fails, only its own writes are undone and the
     /// enclosing transaction goes on (e.g. one refused claim in a dispatch pass).
     pub fn nested<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
-        self.conn.execute_batch("SAVEPOINT nested")?;
+        // Prepared once per connection: parsing "SAVEPOINT …" for every op of every batch was
+        // a visible share of the writer's time.
+        self.conn.prepare_cached("SAVEPOINT nested")?.execute([])?;
+        let mark = self.appended.map(|a| a.borrow().len());
         match f(self) {
             Ok(v) => {
-                self.conn.execute_batch("RELEASE nested")?;
+                self.conn.prepare_cached("RELEASE nested")?.execute([])?;
                 Ok(v)
             }
             Err(e) => {
                 self.conn
-                    .execute_batch("ROLLBACK TO nested; RELEASE nested")?;
+                    .prepare_cached("ROLLBACK TO nested")?
+                    .execute([])?;
+                self.conn.prepare_cached("RELEASE nested")?.execute([])?;
+                if let (Some(a), Some(mark)) = (self.appended, mark) {
+                    a.borrow_mut().truncate(mark);
+                }
                 Err(e)
             }
         }

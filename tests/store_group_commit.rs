@@ -1,0 +1,242 @@
+//! Group commit: many writes share one transaction, yet each caller gets its own result. A
+//! refused op is rolled back alone (its events included), the others commit, and subscribers
+//! are told exactly the committed events, in id order, with no gap — also when something else
+//! wrote to the board in between.
+
+#[allow(dead_code)]
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::board::{events_of, kinds, temp_board};
+use runwarden::actors::store::{Flush, StoreActor};
+use runwarden::board::{BatchOp, BoardError, Event, NewTask, OpenOptions, TaskId};
+use serde_json::json;
+
+const T: i64 = 1_700_000_000_000;
+
+fn note(n: i64) -> serde_json::Value {
+    json!({ "n": n })
+}
+
+/// A fresh board holding one task.
+fn board_with_task() -> (common::board::TempBoard, TaskId) {
+    let mut tb = temp_board();
+    let task = tb
+        .board
+        .write(|tx| tx.create_task(&NewTask::titled("t"), T))
+        .unwrap()
+        .id;
+    (tb, task)
+}
+
+fn refused() -> BoardError {
+    BoardError::Conflict("refused on purpose".into())
+}
+
+#[test]
+fn a_refused_op_in_a_batch_is_rolled_back_alone_and_reports_no_event() {
+    let (mut tb, task) = board_with_task();
+    let ops: Vec<BatchOp<'_, i64>> = vec![
+        Box::new(move |tx| tx.append_event(Some(task), None, "note", note(1), T)),
+        // Writes, then fails: its write must not survive.
+        Box::new(move |tx| {
+            tx.append_event(Some(task), None, "doomed", note(2), T)?;
+            Err(refused())
+        }),
+        Box::new(move |tx| tx.append_event(Some(task), None, "note", note(3), T)),
+    ];
+    let committed = tb.board.write_batch(ops).unwrap();
+
+    assert_eq!(committed.results.len(), 3);
+    let first = *committed.results[0].as_ref().expect("op 1 commits");
+    assert!(matches!(committed.results[1], Err(BoardError::Conflict(_))));
+    let third = *committed.results[2].as_ref().expect("op 3 commits");
+
+    let reported: Vec<(i64, &str, i64)> = committed
+        .events
+        .iter()
+        .map(|e| (e.id, e.kind.as_str(), e.payload["n"].as_i64().unwrap()))
+        .collect();
+    assert_eq!(reported, vec![(first, "note", 1), (third, "note", 3)]);
+    // The rolled-back insert's id is reused: the reported ids follow on with no gap.
+    assert_eq!(third, first + 1);
+    assert_eq!(kinds(&mut tb.board, task), ["created", "note", "note"]);
+    // What was reported is what the board holds, field for field.
+    let stored = events_of(&mut tb.board, task, "note");
+    assert_eq!(stored, committed.events);
+}
+
+#[test]
+fn a_lone_refused_op_leaves_nothing_and_the_board_stays_writable() {
+    let (mut tb, task) = board_with_task();
+    let ops: Vec<BatchOp<'_, i64>> = vec![Box::new(move |tx| {
+        tx.append_event(Some(task), None, "doomed", note(1), T)?;
+        Err(refused())
+    })];
+    let committed = tb.board.write_batch(ops).unwrap();
+    assert!(matches!(
+        committed.results[..],
+        [Err(BoardError::Conflict(_))]
+    ));
+    assert!(committed.events.is_empty());
+    assert_eq!(kinds(&mut tb.board, task), ["created"]);
+
+    // The failed batch left no transaction open behind it.
+    let ops: Vec<BatchOp<'_, i64>> = vec![Box::new(move |tx| {
+        tx.append_event(Some(task), None, "note", note(2), T)
+    })];
+    let committed = tb.board.write_batch(ops).unwrap();
+    assert!(committed.results[0].is_ok());
+    assert_eq!(committed.events.len(), 1);
+    assert_eq!(kinds(&mut tb.board, task), ["created", "note"]);
+}
+
+#[test]
+fn a_failed_nested_step_drops_its_events_but_not_its_ops() {
+    let (mut tb, task) = board_with_task();
+    let op = move |tx: &runwarden::board::Tx<'_>| {
+        let inner = tx.nested(|tx| {
+            tx.append_event(Some(task), None, "inner", note(1), T)?;
+            Err::<(), _>(refused())
+        });
+        assert!(inner.is_err());
+        tx.append_event(Some(task), None, "outer", note(2), T)
+    };
+    // Once alone (no savepoint around the op) and once beside another op (one each).
+    for batch_len in [1usize, 2] {
+        let mut ops: Vec<BatchOp<'_, i64>> = vec![Box::new(op)];
+        if batch_len == 2 {
+            ops.push(Box::new(move |tx| {
+                tx.append_event(Some(task), None, "other", note(3), T)
+            }));
+        }
+        let committed = tb.board.write_batch(ops).unwrap();
+        let reported: Vec<&str> = committed.events.iter().map(|e| e.kind.as_str()).collect();
+        let expected: &[&str] = if batch_len == 1 {
+            &["outer"]
+        } else {
+            &["outer", "other"]
+        };
+        assert_eq!(reported, expected);
+    }
+    assert_eq!(
+        kinds(&mut tb.board, task),
+        ["created", "outer", "outer", "other"]
+    );
+}
+
+/// Runs `f` with a StoreActor on `path` inside its own actix system; flushes it afterwards.
+fn with_store<T: 'static>(
+    path: std::path::PathBuf,
+    f: impl AsyncFnOnce(runwarden::actors::store::Store) -> T + 'static,
+) -> T {
+    let system = actix::System::new();
+    let out = system.block_on(async move {
+        let store = StoreActor::start_on(path, OpenOptions::default()).expect("start the store");
+        let out = f(store.clone()).await;
+        store.addr.send(Flush).await.expect("flush the store");
+        out
+    });
+    actix::System::current().stop();
+    system.run().expect("stop the actix system");
+    out
+}
+
+/// Takes every event already published on `feed` (the store publishes before it replies).
+fn drain(feed: &mut tokio::sync::broadcast::Receiver<Arc<Event>>) -> Vec<Arc<Event>> {
+    let mut out = Vec::new();
+    loop {
+        match feed.try_recv() {
+            Ok(ev) => out.push(ev),
+            Err(tokio::sync::broadcast::error::TryRecvError::Empty) => return out,
+            Err(e) => panic!("event feed: {e}"),
+        }
+    }
+}
+
+#[test]
+fn concurrent_callers_each_get_their_own_result_and_subscribers_see_only_committed_events() {
+    const CALLERS: usize = 64;
+    let tb = temp_board();
+    let path = tb.path.clone();
+    let (results, published) = with_store(path, async move |store| {
+        let mut feed = store.subscribe();
+        let calls = (0..CALLERS).map(|i| {
+            let store = store.clone();
+            async move {
+                store
+                    .with_tx(move |tx, now| {
+                        if i % 8 == 7 {
+                            // Writes (a task and its event), then a transition the board
+                            // refuses (an unknown task): all of it must be undone.
+                            tx.create_task(&NewTask::titled(format!("doomed {i}")), now)?;
+                            tx.complete_task(1_000_000 + i as TaskId, None, None, now)?;
+                            unreachable!("completing an unknown task must be refused");
+                        }
+                        Ok(tx.create_task(&NewTask::titled(format!("t{i}")), now)?.id)
+                    })
+                    .await
+            }
+        });
+        let results = futures::future::join_all(calls).await;
+        (results, drain(&mut feed))
+    });
+
+    let mut created = Vec::new();
+    for (i, r) in results.iter().enumerate() {
+        if i % 8 == 7 {
+            let err = r.as_ref().expect_err("the refused caller gets its error");
+            assert_eq!(err.code, "not_found", "caller {i}: {err}");
+        } else {
+            created.push(*r.as_ref().unwrap_or_else(|e| panic!("caller {i}: {e}")));
+        }
+    }
+    assert_eq!(created.len(), CALLERS - CALLERS / 8);
+
+    // Exactly one `created` event per successful caller, in id order, with no gap.
+    let ids: Vec<i64> = published.iter().map(|e| e.id).collect();
+    assert_eq!(ids.len(), created.len(), "published: {ids:?}");
+    assert!(ids.windows(2).all(|w| w[1] == w[0] + 1), "ids: {ids:?}");
+    assert!(published.iter().all(|e| e.kind == "created"));
+    let mut tasks: Vec<TaskId> = published.iter().map(|e| e.task_id.unwrap()).collect();
+    tasks.sort_unstable();
+    created.sort_unstable();
+    assert_eq!(tasks, created);
+}
+
+#[test]
+fn events_written_beside_the_store_are_published_too_in_order() {
+    let tb = temp_board();
+    let path = tb.path.clone();
+    let published = with_store(path.clone(), async move |store| {
+        let mut feed = store.subscribe();
+        let first = store
+            .with_tx(|tx, now| Ok(tx.create_task(&NewTask::titled("a"), now)?.id))
+            .await
+            .unwrap();
+        // Another connection appends behind the store's back (an older supervisor's
+        // leftover, a repair by hand): the store's own record of its batch then does not
+        // follow on from what it last published, and it must not skip the stranger.
+        let mut other = runwarden::board::Board::open(&path).unwrap();
+        other
+            .write(|tx| tx.append_event(Some(first), None, "by_hand", json!({}), T))
+            .unwrap();
+        drop(other);
+        store
+            .with_tx(|tx, now| Ok(tx.create_task(&NewTask::titled("b"), now)?.id))
+            .await
+            .unwrap();
+        // The feed is filled before the reply; give a lagging receiver no excuse anyway.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        drain(&mut feed)
+    });
+    let seen: Vec<(i64, &str)> = published.iter().map(|e| (e.id, e.kind.as_str())).collect();
+    assert_eq!(seen.len(), 3, "published: {seen:?}");
+    assert_eq!(
+        seen.iter().map(|s| s.1).collect::<Vec<_>>(),
+        ["created", "by_hand", "created"]
+    );
+    assert!(seen.windows(2).all(|w| w[1].0 == w[0].0 + 1), "{seen:?}");
+}
