@@ -1,0 +1,120 @@
+//! A task's log (`<data_dir>/logs/<task_id>.log`) takes stdout and stderr of every run of the
+//! task, appended; once it reaches `log_max_bytes` it is rotated — at the next spawn, and while
+//! its worker runs (on the tick) — keeping one backup, `<task_id>.log.1`.
+
+#[allow(dead_code)]
+mod common;
+
+use std::fs;
+use std::path::PathBuf;
+
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, TestDir, lib_config};
+use runwarden::board::{NewTask, RunOutcome, TaskId, TaskStatus};
+use runwarden::config::AssigneeConfig;
+use runwarden::{Supervisor, SupervisorHandle};
+
+/// The smallest size the config accepts; the workers below write more than this.
+const MAX: u64 = 1024;
+
+fn logs(td: &TestDir, task: TaskId) -> (PathBuf, PathBuf) {
+    let log = td.data_dir().join("logs").join(format!("{task}.log"));
+    let backup = td.data_dir().join("logs").join(format!("{task}.log.1"));
+    (log, backup)
+}
+
+fn read(path: &PathBuf) -> String {
+    fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+fn add(sup: &SupervisorHandle, who: &str) -> TaskId {
+    sup.add_task(NewTask::titled("logs").for_assignee(who))
+        .expect("add task")
+        .id
+}
+
+#[test]
+fn a_full_log_is_rotated_when_the_next_run_starts() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.supervisor.log_max_bytes = MAX;
+    // Run 1 writes 1500 bytes (both streams) and crashes; its retry, run 2, finds the log
+    // full and starts a fresh one.
+    let mut a = AssigneeConfig::new([
+        "sh",
+        "-c",
+        r#"if [ -e "$MARK" ]; then echo second run; exit 0; fi
+           : > "$MARK"
+           head -c 1500 /dev/zero | tr '\0' A; echo; echo first run on stderr >&2; exit 3"#,
+    ]);
+    a.max_retries = Some(1);
+    a.env
+        .insert("MARK".into(), td.path().join("mark").display().to_string());
+    config.assignees.insert("w".into(), a);
+    let sup = Supervisor::start(config).expect("start the supervisor");
+
+    let id = add(&sup, "w");
+    let task = sup.wait_for(id, SETTLE).expect("task finishes");
+    assert_eq!(task.status, TaskStatus::Done);
+    let runs = sup.task(id).expect("task detail").runs;
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(runs[0].outcome, Some(RunOutcome::Crashed));
+
+    let (log, backup) = logs(&td, id);
+    let old = read(&backup);
+    assert!(
+        old.contains(&"A".repeat(1500)),
+        "backup: {} bytes",
+        old.len()
+    );
+    assert!(
+        old.contains("first run on stderr"),
+        "stderr goes to the log too"
+    );
+    let new = read(&log);
+    assert_eq!(new.trim(), "second run", "the fresh log holds run 2 only");
+    sup.shutdown();
+}
+
+#[test]
+fn a_live_workers_log_is_rotated_on_the_tick_and_it_keeps_writing() {
+    let td = TestDir::new();
+    let gate = td.path().join("gate");
+    let mut config = lib_config(&td);
+    config.supervisor.log_max_bytes = MAX;
+    let mut a = AssigneeConfig::new([
+        "sh",
+        "-c",
+        r#"head -c 2000 /dev/zero | tr '\0' B; echo
+           while [ ! -e "$GATE" ]; do sleep 0.02; done
+           echo after the rotation"#,
+    ]);
+    a.env.insert("GATE".into(), gate.display().to_string());
+    config.assignees.insert("w".into(), a);
+    let sup = Supervisor::start(config).expect("start the supervisor");
+
+    let id = add(&sup, "w");
+    let (log, backup) = logs(&td, id);
+    // The worker is still running (it waits for the gate) when its log is rotated.
+    assert!(
+        wait_until(SETTLE, || fs::metadata(&log).is_ok_and(|m| m.len() < MAX)
+            && fs::read_to_string(&backup)
+                .is_ok_and(|b| b.contains(&"B".repeat(2000)))),
+        "log never rotated: log {:?}, backup {:?}",
+        fs::metadata(&log).map(|m| m.len()),
+        fs::metadata(&backup).map(|m| m.len())
+    );
+    assert_eq!(
+        sup.task(id).expect("task detail").task.status,
+        TaskStatus::Running
+    );
+
+    fs::write(&gate, "").expect("open the gate");
+    let task = sup.wait_for(id, SETTLE).expect("task finishes");
+    assert_eq!(task.status, TaskStatus::Done);
+    // The worker's append-mode writes land at the start of the truncated file: no hole of
+    // zeros where the old content was.
+    let new = fs::read(&log).expect("read the log");
+    assert_eq!(String::from_utf8_lossy(&new).trim(), "after the rotation");
+    sup.shutdown();
+}
