@@ -16,6 +16,7 @@ use tokio::sync::oneshot;
 use crate::actors::dispatcher::{DispatcherActor, LiveWorkers, StopDispatching};
 use crate::actors::hooks::HookActor;
 use crate::actors::reaper::{ReaperActor, SweepNow};
+use crate::actors::spawn::Spawner;
 use crate::actors::store::{Flush, Store, StoreActor, StoreError};
 use crate::board::{self, Created, NewTask, OpenOptions, RunId, Task, TaskDetail, TaskId};
 use crate::config::{Config, ShutdownMode, Synchronous};
@@ -114,7 +115,10 @@ fn boot(config: Config) -> Result<Booted, SupervisorError> {
         config.supervisor.tick,
     )
     .start();
-    let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone()).start();
+    let spawner = Spawner::for_this_machine()
+        .map_err(|e| SupervisorError::Runtime(format!("cannot start the spawner threads: {e}")))?;
+    let dispatcher =
+        DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner).start();
     if !config.hooks.is_empty() {
         HookActor::new(config.hooks.clone(), store.clone()).start();
     }

@@ -20,7 +20,8 @@ use tokio::runtime::Runtime;
 use tokio::sync::broadcast::{self, error::RecvError};
 
 use crate::util::{
-    Summary, mean, median, now_ns, p50_p99, percentile, thread_cpu_report, thread_ticks,
+    Summary, cpu_per_run, cpu_us, mean, median, now_ns, p50_p99, percentile, thread_cpu_report,
+    thread_ticks,
 };
 use crate::{Opts, Probe};
 
@@ -882,6 +883,9 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     let rt = runtime();
     let mut sup_rates = Vec::new();
     let mut base_rates = Vec::new();
+    // CPU per run (µs, own + children) of each round: what the rates are made of.
+    let mut base_cpu = Vec::new();
+    let mut sup_cpu = Vec::new();
     let mut non_completed = 0usize;
     let mut notes: Vec<String> = Vec::new();
     let mut profiles: Vec<(f64, SlotProfile, String)> = Vec::new();
@@ -890,20 +894,26 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
         let baseline_first = round % 2 == 0;
         for step in 0..2 {
             if (step == 0) == baseline_first {
+                let cpu0 = cpu_us();
                 let d = baseline_round(n, p)?;
+                let (own, kids) = cpu_per_run(cpu0, cpu_us(), n);
                 let rate = n as f64 / d.as_secs_f64();
                 println!(
-                    "round {round}: baseline   {rate:8.0} spawns/s     ({n} in {:.3}s)",
+                    "round {round}: baseline   {rate:8.0} spawns/s     ({n} in {:.3}s; cpu per spawn: {own:.0} µs spawner + {kids:.0} µs child)",
                     d.as_secs_f64()
                 );
                 base_rates.push(rate);
+                base_cpu.push(own + kids);
             } else {
                 let dir: PathBuf = base.join(format!("lifecycle-{round}"));
                 // The round's directory stays until the bench ends: on an ext4 without a
                 // journal (this VM's disk), inodes freed in the last minutes are skipped one by
                 // one when new ones are allocated, so deleting 2 N files here would tax the
                 // next round's file creation (seen: 0.03 ms → 0.6–1 ms per file).
+                let cpu0 = cpu_us();
                 let r = supervised_round(opts, &dir)?;
+                let (own, kids) = cpu_per_run(cpu0, cpu_us(), r.c.completed);
+                sup_cpu.push(own + kids);
                 let rate = r.c.completed as f64 / r.elapsed.as_secs_f64();
                 let sp = slot_profile(&r.c);
                 println!(
@@ -931,7 +941,10 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
                         String::new()
                     }
                 );
-                println!("          cpu: {}", r.cpu);
+                println!(
+                    "          cpu: {} | per lifecycle: {own:.0} µs supervisor + {kids:.0} µs worker",
+                    r.cpu
+                );
                 println!(
                     "          actor-thread ping RTT ms: {} (n={})",
                     p50_p99(&r.ping_ms),
@@ -994,6 +1007,15 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
         "lifecycle.rounds: supervised=[{}] baseline=[{}] non_completed_runs={non_completed}",
         list(&sup_rates),
         list(&base_rates)
+    ));
+    // What each run costs the machine, whatever the scheduling: with both cores busy the rate
+    // ratio tends to this CPU ratio.
+    let (sc, bc) = (median(&sup_cpu), median(&base_cpu));
+    summary.line(format!(
+        "lifecycle.cpu_per_run: supervised={sc:.0}us (supervisor + worker) baseline={bc:.0}us (spawner + child) cpu_ratio={:.3} | supervised=[{}] baseline=[{}]",
+        bc / sc,
+        list(&sup_cpu),
+        list(&base_cpu)
     ));
     // The slot profile of the median supervised round.
     profiles.sort_by(|a, b| a.0.total_cmp(&b.0));

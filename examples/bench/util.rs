@@ -183,3 +183,21 @@ pub fn thread_cpu_report(
         pct(total)
     )
 }
+
+/// CPU time used so far, in µs: (this process's own threads, its reaped children).
+pub fn cpu_us() -> (f64, f64) {
+    let usage = |who| {
+        // SAFETY: getrusage only writes the struct it is given.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        unsafe { libc::getrusage(who, &mut u) };
+        let us = |t: libc::timeval| t.tv_sec as f64 * 1e6 + t.tv_usec as f64;
+        us(u.ru_utime) + us(u.ru_stime)
+    };
+    (usage(libc::RUSAGE_SELF), usage(libc::RUSAGE_CHILDREN))
+}
+
+/// CPU per run between two [`cpu_us`] readings: (own, children).
+pub fn cpu_per_run(before: (f64, f64), after: (f64, f64), runs: usize) -> (f64, f64) {
+    let n = runs.max(1) as f64;
+    ((after.0 - before.0) / n, (after.1 - before.1) / n)
+}

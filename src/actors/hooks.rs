@@ -152,12 +152,12 @@ fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
             "RUNWARDEN_EVENT_RUN_ID",
             ev.run_id.map(|r| r.to_string()).unwrap_or_default(),
         );
-    let mut owned = process::owned::lock();
+    let owned = process::owned::spawning();
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("cannot start `{program}`: {e}"))?;
     let pid = child.id() as i32;
-    owned.insert(pid);
+    owned.register(pid);
     drop(owned);
     let pidfd = PidFd::open(pid).map_err(|e| e.to_string());
     if let Some(mut stdin) = child.stdin.take() {

@@ -211,11 +211,9 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Vec<(Claim, T
 
 /// The part of [`record_exit`] that records the exit and closes the run.
 fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: String, now: Millis) -> board::Result<()> {
-    if tx.get_run(cx.run_id)?.spawned_pid.is_none() {
-        // The exit overtook the spawn evidence's own commit: write it here, so the
-        // history keeps the pid (the later set_worker is then refused as a duplicate).
-        tx.set_worker(cx.run_id, cx.pid, cx.fingerprint.as_ref(), now)?;
-    }
+    // If the exit overtook the spawn evidence's own commit, the evidence is written here, so
+    // the history keeps the pid (the later set_worker is then refused as a duplicate).
+    tx.set_worker_if_unset(cx.run_id, cx.pid, cx.fingerprint.as_ref(), now)?;
     let run = tx.record_worker_exit(cx.run_id, cx.exit, cx.group_alive, now)?;
     if cx.terminated == Some(TerminateReason::TerminalReap) {
         let ended_by = if cx.exit.signal == Some(libc::SIGKILL) {
@@ -237,7 +235,7 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: String, now: Millis) ->
             now,
         )?;
     }
-    if !run.is_open() || tx.get_task(cx.task_id)?.current_run_id != Some(cx.run_id) {
+    if !run.is_open() || tx.task_state(cx.task_id)?.1 != Some(cx.run_id) {
         // Closed by the worker's own report (or by force): the exit changes nothing.
         return Ok(());
     }

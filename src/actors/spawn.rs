@@ -10,7 +10,9 @@ use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+
+use tokio::sync::oneshot;
 
 use crate::board::{RunId, TaskId};
 use crate::process::{self, Fingerprint, PidFd};
@@ -43,6 +45,93 @@ pub struct Spawned {
     pub pidfd: PidFd,
     pub fingerprint: Option<Fingerprint>,
 }
+
+/// A few dedicated threads that start workers, shared by every WorkerActor of a supervisor.
+///
+/// Starting a process blocks its caller: creating the work dir and log file, and fork/exec
+/// (posix_spawn holds the caller until the child has exec'd). Not on an actor thread, then;
+/// and not on a general blocking pool either, where every start woke a parked thread and
+/// starts ran many at once, competing for the same locks and cores as the children they
+/// were starting. The threads exit once the last handle is dropped.
+#[derive(Clone)]
+pub struct Spawner {
+    jobs: mpsc::Sender<SpawnJob>,
+}
+
+struct SpawnJob {
+    spec: SpawnSpec,
+    reply: oneshot::Sender<Result<Spawned, String>>,
+}
+
+impl Spawner {
+    /// Starts `threads` spawner threads (at least one).
+    pub fn start(threads: usize) -> std::io::Result<Spawner> {
+        let (jobs, rx) = mpsc::channel::<SpawnJob>();
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..threads.max(1) {
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("runwarden-spawn-{i}"))
+                .spawn(move || {
+                    loop {
+                        // The lock is held only while waiting for the next job.
+                        let job = match rx.lock().unwrap_or_else(|p| p.into_inner()).recv() {
+                            Ok(job) => job,
+                            Err(_) => return, // every handle is gone
+                        };
+                        // A caller that went away (its actor stopped) no longer wants a
+                        // child: none is started for it, and one started while it left is
+                        // ended at once (nobody else knows of it: its evidence was never
+                        // recorded).
+                        if job.reply.is_closed() {
+                            continue;
+                        }
+                        if let Err(Ok(unwanted)) = job.reply.send(spawn(&job.spec)) {
+                            end_unwanted(unwanted);
+                        }
+                    }
+                })?;
+        }
+        Ok(Spawner { jobs })
+    }
+
+    /// Starts a supervisor's spawner: one thread per core, two to four.
+    pub fn for_this_machine() -> std::io::Result<Spawner> {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Spawner::start(cores.clamp(2, 4))
+    }
+
+    /// Queues the start of `spec`'s worker; resolves to what [`spawn`] returned.
+    pub fn submit(
+        &self,
+        spec: SpawnSpec,
+    ) -> impl Future<Output = Result<Spawned, String>> + 'static {
+        let (reply, rx) = oneshot::channel();
+        let queued = self.jobs.send(SpawnJob { spec, reply }).is_ok();
+        async move {
+            if !queued {
+                return Err("the spawner has stopped".to_string());
+            }
+            rx.await
+                .unwrap_or_else(|_| Err("the spawner stopped before starting it".to_string()))
+        }
+    }
+}
+
+/// Ends a child whose caller left before it could be handed over, and reaps it.
+fn end_unwanted(child: Spawned) {
+    tracing::warn!(pid = child.pid, "spawn: its worker actor is gone; ending the new child");
+    if let Err(e) = process::terminate_group(&child.pidfd, UNWANTED_KILL_AFTER) {
+        tracing::warn!(pid = child.pid, error = %e, "spawn: cannot end an unwanted child");
+    }
+    let _ = child.pidfd.wait_exit(UNWANTED_KILL_AFTER);
+    if matches!(child.pidfd.try_reap(), Ok(Some(_))) {
+        process::owned::unregister(child.pid);
+    }
+}
+
+/// How long an unwanted child gets between SIGTERM and SIGKILL.
+const UNWANTED_KILL_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Starts the worker. Errors are one line, naming what failed.
 pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
@@ -119,9 +208,9 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             });
         }
     }
-    // Registered before anything can reap it (the lock spans fork to insert): the orphan
-    // reaper must leave it to its actor.
-    let mut owned = process::owned::lock();
+    // Registered before anything can reap it (the guard spans fork to registration): the
+    // orphan reaper must leave it to its actor. Other spawns proceed meanwhile.
+    let owned = process::owned::spawning();
     let child = cmd
         .spawn()
         // The working directory and the user are named: a worker whose user cannot reach its
@@ -134,7 +223,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             )
         })?;
     let pid = child.id() as i32;
-    owned.insert(pid);
+    owned.register(pid);
     drop(owned);
     // The child is ours and not yet reaped, so its pid cannot be recycled before these reads:
     // the pidfd and the fingerprint are certainly this process's.

@@ -12,7 +12,7 @@ use tokio::io::unix::AsyncFd;
 
 use super::dispatcher::{ClaimParams, Claimed, DispatcherActor, WorkerFinished};
 use super::outcome::{self, ExitPolicy};
-use super::spawn::{self, SpawnSpec};
+use super::spawn::{self, SpawnSpec, Spawner};
 use super::store::Store;
 use crate::board::{self, ExitInfo, RunId, RunOutcome, TaskId};
 use crate::process::{self, ExitStatus, Fingerprint, PidFd, descendants};
@@ -56,6 +56,8 @@ impl AsRawFd for Watch {
 /// The actor. Created by the dispatcher for a claimed run.
 pub struct WorkerActor {
     spec: SpawnSpec,
+    /// Starts the child (None for a worker adopted from a previous incarnation).
+    spawner: Option<Spawner>,
     policy: ExitPolicy,
     max_runtime: Option<Duration>,
     kill_timeout: Duration,
@@ -87,14 +89,28 @@ impl WorkerActor {
     /// A worker for one claimed run; the process starts when the actor starts.
     pub fn new(
         spec: SpawnSpec,
+        spawner: Spawner,
         policy: ExitPolicy,
         max_runtime: Option<Duration>,
         kill_timeout: Duration,
         store: Store,
         dispatcher: Addr<DispatcherActor>,
     ) -> Self {
+        let limits = (max_runtime, kill_timeout);
+        WorkerActor::with_parts(spec, Some(spawner), policy, limits, store, dispatcher)
+    }
+
+    fn with_parts(
+        spec: SpawnSpec,
+        spawner: Option<Spawner>,
+        policy: ExitPolicy,
+        (max_runtime, kill_timeout): (Option<Duration>, Duration),
+        store: Store,
+        dispatcher: Addr<DispatcherActor>,
+    ) -> Self {
         WorkerActor {
             spec,
+            spawner,
             policy,
             max_runtime,
             kill_timeout,
@@ -128,7 +144,8 @@ impl WorkerActor {
         store: Store,
         dispatcher: Addr<DispatcherActor>,
     ) -> Self {
-        let mut w = WorkerActor::new(spec, policy, max_runtime, kill_timeout, store, dispatcher);
+        let limits = (max_runtime, kill_timeout);
+        let mut w = WorkerActor::with_parts(spec, None, policy, limits, store, dispatcher);
         w.pidfd = Some(Arc::new(pidfd));
         w.fingerprint = Some(fingerprint);
         w.adopted_started_at = Some(run_started_at);
@@ -402,17 +419,19 @@ impl WorkerActor {
         );
     }
 
-    /// Starts the child on the blocking pool: creating the work dir and log file, fork/exec,
-    /// the pidfd and the /proc read take milliseconds, and many workers start at once. The
-    /// actor handles no other message (a Terminate included) until the child exists.
+    /// Starts the child on the supervisor's spawner threads (see [`Spawner`]): creating the
+    /// work dir and log file, fork/exec, the pidfd and the /proc read block. The actor handles
+    /// no other message (a Terminate included) until the child exists.
     fn start_child(&mut self, ctx: &mut Context<Self>) {
-        let spec = self.spec.clone();
-        actix_rt::task::spawn_blocking(move || spawn::spawn(&spec))
+        let Some(spawner) = self.spawner.take() else {
+            return self.spawn_failed("no spawner for a new worker".to_string(), ctx);
+        };
+        spawner
+            .submit(self.spec.clone())
             .into_actor(self)
             .map(|res, act, ctx| match res {
-                Ok(Ok(child)) => act.on_spawned(child, ctx),
-                Ok(Err(error)) => act.spawn_failed(error, ctx),
-                Err(e) => act.spawn_failed(format!("spawn task failed: {e}"), ctx),
+                Ok(child) => act.on_spawned(child, ctx),
+                Err(error) => act.spawn_failed(error, ctx),
             })
             .wait(ctx);
     }

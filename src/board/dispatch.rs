@@ -200,13 +200,17 @@ impl super::Tx<'_> {
         let plan = plan_claims(&candidates, &open, rules.max_in_progress, &rules.caps, free)?;
         let mut claimed = Vec::new();
         for task in candidates.into_iter().filter(|t| plan.contains(&t.id)) {
-            match self.nested(|tx| tx.claim_task(task.id, &rules.claimer, now, rules.lease_ms)) {
+            // No savepoint per claim (each costs a copy of every page it touches): a claim is
+            // refused by its checks, before it writes anything. One that failed after writing
+            // (an I/O error) fails the whole pass instead, undone by the caller's savepoint.
+            let before = self.conn.total_changes();
+            match self.claim_task(task.id, &rules.claimer, now, rules.lease_ms) {
                 Ok(claim) => claimed.push((claim, task)),
+                Err(e) if self.conn.total_changes() != before => return Err(e),
                 Err(e) => {
                     tracing::debug!(task_id = task.id, error = %e, "claim refused");
-                    // A task whose parent reopened is demoted here, outside the refused claim's
-                    // savepoint (which rolled back everything the claim wrote), so it leaves
-                    // `ready` for good.
+                    // A task whose parent reopened is demoted here, after the refused claim
+                    // (which wrote nothing), so it leaves `ready` for good.
                     if self.demote_if_waiting(task.id, now)? {
                         tracing::info!(task_id = task.id, "a parent reopened; demoted to todo");
                     }

@@ -39,6 +39,28 @@ impl Tx<'_> {
         text.parse().map_err(BoardError::Invalid)
     }
 
+    /// One task's status and current run (cheaper than `get_task`).
+    pub fn task_state(&self, id: TaskId) -> Result<(TaskStatus, Option<RunId>)> {
+        let row: Option<(String, Option<RunId>)> = self
+            .conn
+            .prepare_cached("SELECT status, current_run_id FROM tasks WHERE id = ?1")?
+            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
+        let (text, current) = row.ok_or_else(|| BoardError::not_found("task", id))?;
+        Ok((text.parse().map_err(BoardError::Invalid)?, current))
+    }
+
+    /// One task's status and assignee (what a claim needs; cheaper than `get_task`).
+    pub fn task_status_and_assignee(&self, id: TaskId) -> Result<(TaskStatus, Option<String>)> {
+        let row: Option<(String, Option<String>)> = self
+            .conn
+            .prepare_cached("SELECT status, assignee FROM tasks WHERE id = ?1")?
+            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
+        let (text, assignee) = row.ok_or_else(|| BoardError::not_found("task", id))?;
+        Ok((text.parse().map_err(BoardError::Invalid)?, assignee))
+    }
+
     /// One run.
     pub fn get_run(&self, id: RunId) -> Result<Run> {
         let sql = format!("SELECT {RUN_COLS} FROM task_runs WHERE id = ?1");
@@ -129,13 +151,15 @@ impl Tx<'_> {
 
     /// Open runs per assignee: what the caps count (a previous incarnation's live runs too).
     pub fn open_runs_by_assignee(&self) -> Result<BTreeMap<String, u32>> {
-        let mut stmt = self.conn.prepare_cached(
-            "SELECT coalesce(assignee, ''), count(*) FROM task_runs WHERE ended_at IS NULL GROUP BY 1",
-        )?;
+        // Counted here rather than with GROUP BY: there are few open runs, and SQLite would
+        // build a sorter for every call (one per claim).
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT coalesce(assignee, '') FROM task_runs WHERE ended_at IS NULL")?;
         let mut out = BTreeMap::new();
-        for row in stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, u32>(1)?)))? {
-            let (a, n) = row?;
-            out.insert(a, n);
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            *out.entry(row.get::<_, String>(0)?).or_insert(0u32) += 1;
         }
         Ok(out)
     }

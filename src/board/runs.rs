@@ -1,9 +1,10 @@
 //! Run transitions: claim, worker evidence, heartbeat, and every way a run closes.
 
 use rand::RngCore;
-use rusqlite::params;
+use rusqlite::{OptionalExtension, params};
 use serde_json::json;
 
+use super::rows::{self, RUN_COLS};
 use super::types::{Claim, ClosedRun, Failure, Millis, Run, RunId, RunOutcome, TaskId, TaskStatus};
 use super::{BoardError, Result, Tx, changed_one};
 use crate::process::Fingerprint;
@@ -35,7 +36,8 @@ fn new_token() -> String {
 impl Tx<'_> {
     /// Claims a ready task: opens a run (with a fresh token and a lease) and marks the task
     /// running. A task whose parent reopened since it became ready is refused (`Conflict`); the
-    /// caller then demotes it with [`Tx::demote_if_waiting`].
+    /// caller then demotes it with [`Tx::demote_if_waiting`]. Every refusal happens before the
+    /// first write (the claim passes rely on it: they run claims without savepoints).
     pub fn claim_task(
         &self,
         task_id: TaskId,
@@ -43,11 +45,10 @@ impl Tx<'_> {
         now: Millis,
         lease_ms: i64,
     ) -> Result<Claim> {
-        let task = self.get_task(task_id)?;
-        if task.status != TaskStatus::Ready {
+        let (status, assignee) = self.task_status_and_assignee(task_id)?;
+        if status != TaskStatus::Ready {
             return Err(BoardError::Conflict(format!(
-                "task {task_id} is {}, not ready",
-                task.status
+                "task {task_id} is {status}, not ready"
             )));
         }
         if !self.parents_satisfied(task_id)? {
@@ -59,29 +60,25 @@ impl Tx<'_> {
                 "task {task_id} has an unfinished parent; it must be demoted to todo"
             )));
         }
-        let holders: i64 = self
+        // One read for both: earlier runs, and those of them still holding worker evidence.
+        let (runs, holders): (i64, i64) = self
             .conn
-            .prepare_cached(
-                "SELECT count(*) FROM task_runs WHERE task_id = ?1 AND worker_pid IS NOT NULL",
-            )?
-            .query_row([task_id], |r| r.get(0))?;
+            .prepare_cached("SELECT count(*), count(worker_pid) FROM task_runs WHERE task_id = ?1")?
+            .query_row([task_id], |r| Ok((r.get(0)?, r.get(1)?)))?;
         if holders > 0 {
             // See reads::NO_LIVE_PREVIOUS_WORKER: never two workers for one task.
             return Err(BoardError::Conflict(format!(
                 "task {task_id}: the worker of an earlier run may still be alive"
             )));
         }
-        let attempt: i64 = self
-            .conn
-            .prepare_cached("SELECT count(*) + 1 FROM task_runs WHERE task_id = ?1")?
-            .query_row([task_id], |r| r.get(0))?;
+        let attempt = runs + 1;
         let token = new_token();
         self.conn
             .prepare_cached(
                 "INSERT INTO task_runs (task_id, attempt, assignee, token, claimer, started_at, lease_expires_at) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
             )?
-            .execute(params![task_id, attempt, task.assignee, token, claimer, now, now + lease_ms])?;
+            .execute(params![task_id, attempt, assignee, token, claimer, now, now + lease_ms])?;
         let run_id = self.conn.last_insert_rowid();
         let changed = self
             .conn
@@ -96,7 +93,7 @@ impl Tx<'_> {
             Some(task_id),
             Some(run_id),
             "claimed",
-            json!({ "attempt": attempt, "assignee": task.assignee, "claimer": claimer }),
+            json!({ "attempt": attempt, "assignee": assignee, "claimer": claimer }),
             now,
         )?;
         Ok(Claim {
@@ -139,26 +136,56 @@ impl Tx<'_> {
         fp: Option<&Fingerprint>,
         now: Millis,
     ) -> Result<Option<(RunOutcome, Millis)>> {
-        let run = self.get_run(run_id)?;
-        let changed = self
+        match self.set_worker_if_unset(run_id, pid, fp, now)? {
+            // A run closed before its evidence landed (archived between claim and spawn, or a
+            // fast report): the caller must still end this worker, now or after the grace.
+            Some(closed) => Ok(closed),
+            None => {
+                self.get_run(run_id)?;
+                Err(BoardError::Conflict(format!(
+                    "run {run_id} already has a worker"
+                )))
+            }
+        }
+    }
+
+    /// [`Tx::set_worker`] for a run that may already hold its evidence (recorded by whoever
+    /// got there first): `None` when it did, or when there is no such run.
+    pub fn set_worker_if_unset(
+        &self,
+        run_id: RunId,
+        pid: i32,
+        fp: Option<&Fingerprint>,
+        now: Millis,
+    ) -> Result<Option<Option<(RunOutcome, Millis)>>> {
+        let updated = self
             .conn
             .prepare_cached(
                 "UPDATE task_runs SET spawned_pid = ?2, worker_pid = ?2, worker_boot_id = ?3, \
-                 worker_start_ticks = ?4 WHERE id = ?1 AND spawned_pid IS NULL",
+                 worker_start_ticks = ?4 WHERE id = ?1 AND spawned_pid IS NULL \
+                 RETURNING task_id, outcome, ended_at",
             )?
-            .execute(params![
-                run_id,
-                pid,
-                fp.map(|f| f.boot_id.as_str()),
-                fp.map(|f| f.start_ticks as i64)
-            ])?;
-        if changed != 1 {
-            return Err(BoardError::Conflict(format!(
-                "run {run_id} already has a worker"
-            )));
-        }
+            .query_row(
+                params![
+                    run_id,
+                    pid,
+                    fp.map(|f| f.boot_id.as_str()),
+                    fp.map(|f| f.start_ticks as i64)
+                ],
+                |r| {
+                    Ok((
+                        r.get::<_, TaskId>(0)?,
+                        r.get::<_, Option<String>>(1)?,
+                        r.get::<_, Option<Millis>>(2)?,
+                    ))
+                },
+            )
+            .optional()?;
+        let Some((task_id, outcome, ended_at)) = updated else {
+            return Ok(None);
+        };
         self.append_event(
-            Some(run.task_id),
+            Some(task_id),
             Some(run_id),
             "worker_spawned",
             json!({
@@ -168,9 +195,11 @@ impl Tx<'_> {
             }),
             now,
         )?;
-        // A run closed before its evidence landed (archived between claim and spawn, or a
-        // fast report): the caller must still end this worker, now or after the grace.
-        Ok(run.outcome.zip(run.ended_at))
+        let outcome = outcome
+            .map(|o| o.parse::<RunOutcome>())
+            .transpose()
+            .map_err(BoardError::Invalid)?;
+        Ok(Some(outcome.zip(ended_at)))
     }
 
     /// Checks that `token` is `run_id`'s token and that the run is still its task's current
@@ -245,18 +274,18 @@ impl Tx<'_> {
         task_id: TaskId,
         expected: Option<RunId>,
     ) -> Result<(TaskStatus, Option<RunId>)> {
-        let task = self.get_task(task_id)?;
+        let (status, current) = self.task_state(task_id)?;
         if let Some(exp) = expected
-            && task.current_run_id != Some(exp)
+            && current != Some(exp)
         {
-            return Err(self.stale(task_id, exp, task.current_run_id));
+            return Err(self.stale(task_id, exp, current));
         }
-        let run = if task.status == TaskStatus::Running {
-            task.current_run_id
+        let run = if status == TaskStatus::Running {
+            current
         } else {
             None
         };
-        Ok((task.status, run))
+        Ok((status, run))
     }
 
     /// Marks a task done. Its open run (if any) closes `completed` and KEEPS its worker pid and
@@ -447,16 +476,26 @@ impl Tx<'_> {
         group_alive: bool,
         now: Millis,
     ) -> Result<Run> {
-        let run = self.get_run(run_id)?;
-        let sql = if group_alive {
-            "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3 WHERE id = ?1"
-        } else {
-            "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3, worker_pid = NULL, \
-             worker_boot_id = NULL, worker_start_ticks = NULL WHERE id = ?1"
-        };
-        self.conn
-            .prepare_cached(sql)?
-            .execute(params![run_id, exit.code, exit.signal])?;
+        static SQL: std::sync::OnceLock<[String; 2]> = std::sync::OnceLock::new();
+        let [keep, clear] = SQL.get_or_init(|| {
+            [
+                format!(
+                    "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3 WHERE id = ?1 \
+                     RETURNING {RUN_COLS}"
+                ),
+                format!(
+                    "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3, worker_pid = NULL, \
+                     worker_boot_id = NULL, worker_start_ticks = NULL WHERE id = ?1 \
+                     RETURNING {RUN_COLS}"
+                ),
+            ]
+        });
+        let run = self
+            .conn
+            .prepare_cached(if group_alive { keep } else { clear })?
+            .query_row(params![run_id, exit.code, exit.signal], rows::run)
+            .optional()?
+            .ok_or_else(|| BoardError::not_found("run", run_id))?;
         self.append_event(
             Some(run.task_id),
             Some(run_id),
@@ -464,7 +503,7 @@ impl Tx<'_> {
             json!({ "code": exit.code, "signal": exit.signal, "run_open": run.ended_at.is_none() }),
             now,
         )?;
-        self.get_run(run_id)
+        Ok(run)
     }
 
     /// Closes an open run with `outcome` and appends `run_closed` carrying the worker evidence.
@@ -476,19 +515,27 @@ impl Tx<'_> {
         summary: Option<&str>,
         error: Option<&str>,
     ) -> Result<ClosedRun> {
-        let changed = self
-            .conn
-            .prepare_cached(
+        static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let sql = SQL.get_or_init(|| {
+            format!(
                 "UPDATE task_runs SET outcome = ?2, ended_at = ?3, summary = ?4, error = ?5 \
-                 WHERE id = ?1 AND ended_at IS NULL",
-            )?
-            .execute(params![run_id, outcome.as_str(), now, summary, error])?;
-        let run = self.get_run(run_id)?;
-        if changed != 1 {
+                 WHERE id = ?1 AND ended_at IS NULL RETURNING {RUN_COLS}"
+            )
+        });
+        let run = self
+            .conn
+            .prepare_cached(sql)?
+            .query_row(
+                params![run_id, outcome.as_str(), now, summary, error],
+                rows::run,
+            )
+            .optional()?;
+        let Some(run) = run else {
+            self.get_run(run_id)?;
             return Err(BoardError::Conflict(format!(
                 "run {run_id} is already closed"
             )));
-        }
+        };
         let closed = ClosedRun {
             task_id: run.task_id,
             run_id,

@@ -4,38 +4,73 @@
 //! never reap a child that its owner will wait for (a worker leader reaped through its pidfd,
 //! a hook's `Child`): that would steal the exit status. Several supervisors may run in one
 //! process (embedding, tests), so the set is global, not per supervisor.
+//!
+//! Two locks: a gate that spawners share from before the fork until the new pid is registered
+//! (many spawns run at once; posix_spawn holds its caller until the child has exec'd) and that
+//! the orphan reaper takes exclusively from its check to its `waitpid`; and the set itself,
+//! only ever held for a lookup or an update. A child that exits at once can therefore never
+//! be reaped as an orphan before its owner registered it, and an owner's `unregister` never
+//! waits for somebody else's fork.
 
 use std::collections::HashSet;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::Pid;
 
-fn set() -> &'static Mutex<HashSet<Pid>> {
+fn set() -> MutexGuard<'static, HashSet<Pid>> {
     static OWNED: OnceLock<Mutex<HashSet<Pid>>> = OnceLock::new();
-    OWNED.get_or_init(Default::default)
+    OWNED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
 }
 
-/// Holds the registry locked. A spawner holds it from before the fork until it has
-/// registered the new pid, and the orphan reaper holds it from its check to its `waitpid`, so
-/// a child that exits at once can never be reaped as an orphan in between.
-pub fn lock() -> std::sync::MutexGuard<'static, HashSet<Pid>> {
-    set().lock().unwrap_or_else(|p| p.into_inner())
+fn gate() -> &'static RwLock<()> {
+    static GATE: RwLock<()> = RwLock::new(());
+    &GATE
+}
+
+/// Held by a spawner from before its fork until it has registered the new pid.
+pub struct SpawnGuard(#[allow(dead_code)] RwLockReadGuard<'static, ()>);
+
+impl SpawnGuard {
+    /// Marks `pid` (the child just spawned under this guard) as one whose owner will reap it.
+    pub fn register(&self, pid: Pid) {
+        register(pid);
+    }
+}
+
+/// Taken before a spawn; see the module doc.
+pub fn spawning() -> SpawnGuard {
+    SpawnGuard(gate().read().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// Held by the orphan reaper: no spawn is between its fork and its registration meanwhile.
+pub struct ReapGuard(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
+
+impl ReapGuard {
+    /// True if some owner will reap `pid`.
+    pub fn is_registered(&self, pid: Pid) -> bool {
+        is_registered(pid)
+    }
+}
+
+/// Taken by the orphan reaper around each check-then-waitpid.
+pub fn reaping() -> ReapGuard {
+    ReapGuard(gate().write().unwrap_or_else(|p| p.into_inner()))
 }
 
 /// Marks `pid` as a child whose owner will reap it.
 pub fn register(pid: Pid) {
-    set().lock().unwrap_or_else(|p| p.into_inner()).insert(pid);
+    set().insert(pid);
 }
 
 /// The owner has reaped `pid` (or given up on it).
 pub fn unregister(pid: Pid) {
-    set().lock().unwrap_or_else(|p| p.into_inner()).remove(&pid);
+    set().remove(&pid);
 }
 
 /// True if some owner will reap `pid`.
 pub fn is_registered(pid: Pid) -> bool {
-    set()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .contains(&pid)
+    set().contains(&pid)
 }

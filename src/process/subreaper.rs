@@ -52,10 +52,10 @@ pub fn reap_orphans_among(children: &[ProcStat], keep: &dyn Fn(Pid) -> bool) -> 
 
     let mut reaped = Vec::new();
     for pid in orphans {
-        // Checked again under the registry lock, held through the waitpid: a child spawned
-        // (and registered) since the scan is never taken for an orphan.
-        let owned = super::owned::lock();
-        if owned.contains(&pid) {
+        // Checked again with spawns held off, through the waitpid: a child spawned (and
+        // registered) since the scan is never taken for an orphan.
+        let owned = super::owned::reaping();
+        if owned.is_registered(pid) {
             continue;
         }
         // WNOHANG: if the pid was reaped elsewhere and reused by a live child meanwhile, this

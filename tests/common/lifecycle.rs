@@ -486,9 +486,9 @@ pub fn runwarden_cli(socket: &Path, args: &[&str], timeout: Duration) -> CliOutp
             cmd.env_remove(&key);
         }
     }
-    let mut owned = process::owned::lock();
+    let owned = process::owned::spawning();
     let mut child = super::proc_guard::ChildGuard::spawn(&mut cmd).expect("spawn runwarden");
-    owned.insert(child.pid());
+    owned.register(child.pid());
     drop(owned);
     let exited = child.pidfd().wait_exit(timeout).unwrap_or(false);
     let status = exited.then(|| child.wait().expect("wait for runwarden"));

@@ -15,7 +15,7 @@ use actix::prelude::*;
 
 use super::outcome::ExitPolicy;
 use super::reaper::{ReaperActor, RunClosed, WorkerGone};
-use super::spawn::{self, SpawnSpec};
+use super::spawn::{self, SpawnSpec, Spawner};
 use super::store::Store;
 use super::worker::{Terminate, TerminateReason, WorkerActor};
 use crate::board::{self, Claim, Event, RunId, RunOutcome, Task, TaskId, now_millis};
@@ -140,6 +140,8 @@ pub struct DispatcherActor {
     config: Arc<Config>,
     store: Store,
     reaper: Addr<ReaperActor>,
+    /// Starts new workers' processes (handed to each WorkerActor).
+    spawner: Spawner,
     claimer: String,
     workers: HashMap<RunId, Worker>,
     caps: BTreeMap<String, u32>,
@@ -166,7 +168,12 @@ pub struct DispatcherActor {
 
 impl DispatcherActor {
     /// A dispatcher over `store` for `config`.
-    pub fn new(config: Arc<Config>, store: Store, reaper: Addr<ReaperActor>) -> Self {
+    pub fn new(
+        config: Arc<Config>,
+        store: Store,
+        reaper: Addr<ReaperActor>,
+        spawner: Spawner,
+    ) -> Self {
         let caps = config
             .assignees
             .iter()
@@ -182,6 +189,7 @@ impl DispatcherActor {
             config,
             store,
             reaper,
+            spawner,
             workers: HashMap::new(),
             caps,
             in_pass: false,
@@ -273,6 +281,7 @@ impl DispatcherActor {
         };
         let worker = WorkerActor::new(
             spec,
+            self.spawner.clone(),
             policy,
             max_runtime,
             self.config.reaper.kill_timeout,
