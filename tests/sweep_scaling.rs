@@ -35,8 +35,8 @@ const OPEN_RUNS: &str = "SELECT id, task_id, attempt, assignee, token, claimer, 
      worker_boot_id, worker_start_ticks, exit_code, exit_signal, error, summary \
      FROM task_runs WHERE ended_at IS NULL ORDER BY id";
 /// `Tx::open_runs_by_assignee` (src/board/reads.rs): what the caps count on every tick.
-const OPEN_RUNS_BY_ASSIGNEE: &str = "SELECT coalesce(assignee, ''), count(*) FROM task_runs \
-     WHERE ended_at IS NULL GROUP BY 1";
+const OPEN_RUNS_BY_ASSIGNEE: &str =
+    "SELECT coalesce(assignee, '') FROM task_runs WHERE ended_at IS NULL";
 
 /// Fragments of the board's source that the copies above must still match.
 const SOURCE_FRAGMENTS: &[(&str, &str)] = &[
@@ -59,7 +59,7 @@ const SOURCE_FRAGMENTS: &[(&str, &str)] = &[
     ),
     (
         READS_SRC,
-        "\"SELECT coalesce(assignee, ''), count(*) FROM task_runs WHERE ended_at IS NULL GROUP BY 1\"",
+        "\"SELECT coalesce(assignee, '') FROM task_runs WHERE ended_at IS NULL\"",
     ),
 ];
 
