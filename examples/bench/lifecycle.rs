@@ -210,8 +210,10 @@ struct SupervisedRound {
     /// CPU use per thread name while the round ran.
     cpu: String,
     /// Round trips (ms) of a `LiveWorkers` message through the dispatcher's mailbox, every
-    /// 5 ms during the round: how long the actor thread takes to get to a message.
+    /// 20 ms during the round: how long the actor thread takes to get to a message.
     ping_ms: Vec<f64>,
+    /// Store ops and commits per lifecycle (the adds included).
+    store_work: (f64, f64),
 }
 
 /// N `/bin/true` tasks added in one burst (N concurrent store calls → group commits),
@@ -239,12 +241,13 @@ fn supervised_round(opts: &Opts, dir: &Path) -> Result<SupervisedRound, String> 
                 let t = Instant::now();
                 futures::executor::block_on(services.live_workers());
                 v.push(t.elapsed().as_secs_f64() * 1e3);
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(Duration::from_millis(20));
             }
             v
         })
     };
     let ticks0 = thread_ticks();
+    let stats0 = store.stats();
     let t0 = Instant::now();
     let adds = (0..n).map(|i| {
         let store = store.clone();
@@ -266,6 +269,12 @@ fn supervised_round(opts: &Opts, dir: &Path) -> Result<SupervisedRound, String> 
         .join()
         .map_err(|_| "the event collector panicked".to_string())?;
     let cpu = thread_cpu_report(&ticks0, &thread_ticks(), t0.elapsed());
+    let stats1 = store.stats();
+    let per = |d: u64| d as f64 / n.max(1) as f64;
+    let store_work = (
+        per(stats1.ops - stats0.ops),
+        per(stats1.batches - stats0.batches),
+    );
     stop.store(true, Ordering::Relaxed);
     let ping_ms = pinger.join().unwrap_or_default();
     let elapsed = c
@@ -280,6 +289,7 @@ fn supervised_round(opts: &Opts, dir: &Path) -> Result<SupervisedRound, String> 
         c,
         cpu,
         ping_ms,
+        store_work,
     })
 }
 
@@ -942,8 +952,8 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
                     }
                 );
                 println!(
-                    "          cpu: {} | per lifecycle: {own:.0} µs supervisor + {kids:.0} µs worker",
-                    r.cpu
+                    "          cpu: {} | per lifecycle: {own:.0} µs supervisor + {kids:.0} µs worker, {:.2} store ops in {:.2} commits",
+                    r.cpu, r.store_work.0, r.store_work.1
                 );
                 println!(
                     "          actor-thread ping RTT ms: {} (n={})",

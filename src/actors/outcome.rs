@@ -180,11 +180,19 @@ pub struct ExitContext {
     pub claim_next: Option<ClaimParams>,
 }
 
+/// What the exit's transaction claimed for the freed slot.
+pub struct Refill {
+    /// Claim-on-close ran to the end (it claimed what the caps allow: maybe nothing).
+    pub ran: bool,
+    pub claims: Vec<(Claim, Task)>,
+}
+
 /// Records a worker's exit in one transaction: the exit status (clearing the evidence: this
 /// pid is provably gone), the terminal-reaper event if the reaper ended it, and — if the run
 /// is still open — its closing: `completed` for a clean exit under `on_exit_zero =
 /// "complete"`, `crashed` otherwise (with the code or signal and the log's tail).
-pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Vec<(Claim, Task)>, StoreError> {
+/// Then, with `claim_next`, claims for the freed slot in the same transaction.
+pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, StoreError> {
     // Only a crash quotes the log; a clean exit (the common case) reads nothing.
     let crashed = !(cx.exit.code == Some(0) && cx.policy.on_exit_zero == OnExitZero::Complete);
     let tail = if crashed {
@@ -196,14 +204,19 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Vec<(Claim, T
         .with_tx(move |tx, now| {
             close_after_exit(tx, &cx, tail, now)?;
             // In a savepoint of its own: a failed claim must not undo the recorded exit.
+            let not_run = || Refill {
+                ran: false,
+                claims: Vec::new(),
+            };
             match &cx.claim_next {
-                Some(params) => Ok(tx.nested(|tx| claim_ready(tx, now, params)).unwrap_or_else(
-                    |e| {
+                Some(params) => Ok(match tx.nested(|tx| claim_ready(tx, now, params)) {
+                    Ok(claims) => Refill { ran: true, claims },
+                    Err(e) => {
                         tracing::warn!(error = %e, "claim on close failed; the next pass claims");
-                        Vec::new()
-                    },
-                )),
-                None => Ok(Vec::new()),
+                        not_run()
+                    }
+                }),
+                None => Ok(not_run()),
             }
         })
         .await

@@ -120,7 +120,10 @@ impl Spawner {
 
 /// Ends a child whose caller left before it could be handed over, and reaps it.
 fn end_unwanted(child: Spawned) {
-    tracing::warn!(pid = child.pid, "spawn: its worker actor is gone; ending the new child");
+    tracing::warn!(
+        pid = child.pid,
+        "spawn: its worker actor is gone; ending the new child"
+    );
     if let Err(e) = process::terminate_group(&child.pidfd, UNWANTED_KILL_AFTER) {
         tracing::warn!(pid = child.pid, error = %e, "spawn: cannot end an unwanted child");
     }

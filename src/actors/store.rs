@@ -121,6 +121,22 @@ pub struct Store {
     /// (`show`, `ls`, `wait`, the sweeps) do not queue behind writes, nor — up to the pool's
     /// size — behind each other.
     readers: Arc<[Mutex<Board>]>,
+    stats: Arc<Counters>,
+}
+
+/// What the writer has done so far (for benchmarks and diagnostics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Ops applied (committed or refused).
+    pub ops: u64,
+    /// Transactions that applied them (one per batch).
+    pub batches: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    ops: std::sync::atomic::AtomicU64,
+    batches: std::sync::atomic::AtomicU64,
 }
 
 impl Store {
@@ -189,6 +205,15 @@ impl Store {
         });
     }
 
+    /// Counts of the writer's work since the store started.
+    pub fn stats(&self) -> StoreStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        StoreStats {
+            ops: self.stats.ops.load(Relaxed),
+            batches: self.stats.batches.load(Relaxed),
+        }
+    }
+
     /// Every event committed from now on, in id order.
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
         self.events.subscribe()
@@ -216,9 +241,11 @@ impl StoreActor {
         let (jobs_tx, jobs_rx) = mpsc::channel::<Queued>();
         let (events, _) = broadcast::channel(EVENT_CHANNEL);
         let feed = events.clone();
+        let stats = Arc::new(Counters::default());
+        let counters = stats.clone();
         let writer = thread::Builder::new()
             .name("runwarden-store".into())
-            .spawn(move || writer_loop(board, jobs_rx, feed, watermark))
+            .spawn(move || writer_loop(board, jobs_rx, feed, watermark, &counters))
             .map_err(|e| BoardError::Invalid(format!("cannot start the store thread: {e}")))?;
         let addr = StoreActor {
             jobs: jobs_tx.clone(),
@@ -230,6 +257,7 @@ impl StoreActor {
             jobs: jobs_tx,
             events,
             readers: readers.into(),
+            stats,
         })
     }
 }
@@ -322,6 +350,7 @@ fn writer_loop(
     jobs: mpsc::Receiver<Queued>,
     feed: broadcast::Sender<Arc<Event>>,
     mut watermark: EventId,
+    counters: &Counters,
 ) {
     let mut open = true;
     while open {
@@ -344,6 +373,12 @@ fn writer_loop(
             }
         }
         let now = now_millis();
+        counters
+            .ops
+            .fetch_add(batch.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        counters
+            .batches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (ops, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|j| (j.op, j.reply)).unzip();
         let ops = ops
             .into_iter()

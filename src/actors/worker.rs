@@ -74,6 +74,8 @@ pub struct WorkerActor {
     exit_recorded: bool,
     /// Claim the next task in the transaction that records this worker's exit.
     claim_on_close: Option<ClaimParams>,
+    /// That claim ran (without error) and nothing changed after it: see WorkerFinished.
+    refilled: bool,
     /// How long a worker whose run closed by its own report may live on.
     grace: Duration,
     /// A tree-end (terminate_tree) is running; further Terminates are redundant.
@@ -123,6 +125,7 @@ impl WorkerActor {
             adopted_started_at: None,
             exit_recorded: false,
             claim_on_close: None,
+            refilled: false,
             grace: Duration::ZERO,
             tree_ending: false,
             clear_when_ended: false,
@@ -201,6 +204,7 @@ impl WorkerActor {
             self.dispatcher.do_send(WorkerFinished {
                 run_id: self.run_id(),
                 task_id: self.task_id(),
+                refilled: self.refilled,
             });
         }
         ctx.stop();
@@ -318,10 +322,16 @@ impl WorkerActor {
             }
         }
         .into_actor(self)
-        .map(|res, act, ctx| {
+        .map(move |res, act, ctx| {
             match res {
-                Ok(claims) if !claims.is_empty() => act.dispatcher.do_send(Claimed(claims)),
-                Ok(_) => {}
+                Ok(refill) => {
+                    // A group left behind is ended (and its evidence cleared) after this
+                    // transaction, which may free the task for its retry: a pass must follow.
+                    act.refilled = refill.ran && !group_alive;
+                    if !refill.claims.is_empty() {
+                        act.dispatcher.do_send(Claimed(refill.claims));
+                    }
+                }
                 Err(e) => tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record exit; the next supervisor's reconcile will close the run"),
             }
             act.exit_done = true;
@@ -576,6 +586,7 @@ impl Actor for WorkerActor {
             self.dispatcher.do_send(WorkerFinished {
                 run_id: self.run_id(),
                 task_id: self.task_id(),
+                refilled: false,
             });
         }
     }

@@ -153,9 +153,9 @@ impl Tx<'_> {
     pub fn open_runs_by_assignee(&self) -> Result<BTreeMap<String, u32>> {
         // Counted here rather than with GROUP BY: there are few open runs, and SQLite would
         // build a sorter for every call (one per claim).
-        let mut stmt = self
-            .conn
-            .prepare_cached("SELECT coalesce(assignee, '') FROM task_runs WHERE ended_at IS NULL")?;
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT coalesce(assignee, '') FROM task_runs WHERE ended_at IS NULL",
+        )?;
         let mut out = BTreeMap::new();
         let mut rows = stmt.query([])?;
         while let Some(row) = rows.next()? {

@@ -99,9 +99,9 @@ pub fn read_stat(pid: Pid) -> Result<ProcStat, ProcessError> {
         // /proc/0 and negative names do not exist; say so without touching the filesystem.
         return Err(ProcessError::NoSuchProcess { pid });
     }
-    let path = format!("/proc/{pid}/stat");
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
+    let mut buf = [0u8; STAT_BUF];
+    let len = match read_small(&format!("/proc/{pid}/stat"), &mut buf) {
+        Ok(len) => len,
         Err(err) if is_gone(&err) => return Err(ProcessError::NoSuchProcess { pid }),
         Err(source) => {
             return Err(ProcessError::Io {
@@ -111,6 +111,9 @@ pub fn read_stat(pid: Pid) -> Result<ProcStat, ProcessError> {
             });
         }
     };
+    // comm is whatever bytes the process chose (not always UTF-8); only the fields after it
+    // are parsed.
+    let text = String::from_utf8_lossy(&buf[..len]);
     parse_stat(&text).map_err(|err| match err {
         ProcessError::Parse { reason, .. } => ProcessError::Parse {
             pid: Some(pid),
@@ -118,6 +121,33 @@ pub fn read_stat(pid: Pid) -> Result<ProcStat, ProcessError> {
         },
         other => other,
     })
+}
+
+/// Room for a stat line: comm is at most 64 bytes and the 50-odd numbers after it stay well
+/// under 1 KiB; a longer file is an error rather than a silently truncated parse.
+const STAT_BUF: usize = 4096;
+
+/// Reads a small file whole into `buf` without the size probe (statx, lseek) that
+/// `read_to_string` makes first (pointless for /proc, whose files all report size 0). Called
+/// for every spawn and liveness check.
+fn read_small(path: &str, buf: &mut [u8]) -> io::Result<usize> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut len = 0;
+    loop {
+        if len == buf.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{path} is larger than {} bytes", buf.len()),
+            ));
+        }
+        match file.read(&mut buf[len..]) {
+            Ok(0) => return Ok(len),
+            Ok(n) => len += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// ENOENT: the /proc entry is gone; ESRCH: the task died between open and read.

@@ -31,6 +31,15 @@ const QUIET_KINDS: &[&str] = &[
     "worker_exited",
 ];
 
+/// Kinds the transaction recording a worker's exit appends after `worker_exited`.
+const EXIT_TX_KINDS: &[&str] = &[
+    "run_closed",
+    "completed",
+    "retry_scheduled",
+    "gave_up",
+    "terminal_worker_reaped",
+];
+
 /// Run a dispatch pass now.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -56,6 +65,9 @@ pub struct WorkerSpawned {
 pub struct WorkerFinished {
     pub run_id: RunId,
     pub task_id: TaskId,
+    /// The transaction that recorded the exit also claimed whatever the freed slot allows
+    /// (claim-on-close ran without error): no pass is needed for this worker's end.
+    pub refilled: bool,
 }
 
 /// A worker's evidence landed on a run that had already closed (archived between claim and
@@ -131,6 +143,9 @@ struct Worker {
     addr: Addr<WorkerActor>,
     task_id: TaskId,
     pid: Option<i32>,
+    /// Its `worker_exited` event was seen: the events that follow for its run come from the
+    /// exit's own transaction, which claims for the freed slot itself (claim-on-close).
+    exit_seen: bool,
     /// The run's token: descendants carrying it belong to this live run.
     token: String,
 }
@@ -310,6 +325,7 @@ impl DispatcherActor {
                 addr,
                 task_id,
                 pid,
+                exit_seen: false,
                 token,
             },
         );
@@ -379,6 +395,16 @@ impl DispatcherActor {
             // Wake exactly when the backoff ends instead of waiting for a tick.
             let delay = Duration::from_millis(at.saturating_sub(now_millis()).max(0) as u64);
             ctx.run_later(delay, |act, ctx| act.pass(ctx));
+        }
+        if let Some(w) = ev.run_id.and_then(|r| self.workers.get_mut(&r)) {
+            if ev.kind == "worker_exited" {
+                w.exit_seen = true;
+            }
+            if w.exit_seen && EXIT_TX_KINDS.contains(&ev.kind.as_str()) {
+                // Written by the exit's own transaction, which ran claim-on-close after them;
+                // should that have failed, WorkerFinished says so and a pass follows.
+                return;
+            }
         }
         if !QUIET_KINDS.contains(&ev.kind.as_str()) {
             self.pass(ctx);
@@ -576,7 +602,9 @@ impl Handler<WorkerFinished> for DispatcherActor {
     fn handle(&mut self, msg: WorkerFinished, ctx: &mut Self::Context) {
         self.workers.remove(&msg.run_id);
         self.reaper.do_send(WorkerGone { run_id: msg.run_id });
-        self.pass(ctx);
+        if !msg.refilled {
+            self.pass(ctx);
+        }
     }
 }
 
