@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::board::{events_of, kinds, temp_board};
-use runwarden::actors::store::{Flush, StoreActor};
+use runwarden::actors::store::{EventFeed, Flush, StoreActor};
 use runwarden::board::{BatchOp, BoardError, Event, NewTask, OpenOptions, TaskId};
 use serde_json::json;
 
@@ -145,7 +145,7 @@ fn with_store<T: 'static>(
 }
 
 /// Takes every event already published on `feed` (the store publishes before it replies).
-fn drain(feed: &mut tokio::sync::broadcast::Receiver<Arc<Event>>) -> Vec<Arc<Event>> {
+fn drain(feed: &mut EventFeed) -> Vec<Arc<Event>> {
     let mut out = Vec::new();
     loop {
         match feed.try_recv() {

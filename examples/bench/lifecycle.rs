@@ -10,14 +10,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use runwarden::actors::spawn::{self, SpawnSpec};
-use runwarden::actors::store::Store;
+use runwarden::actors::store::{EventFeed, Store};
 use runwarden::board::{Board, Event, NewTask, OpenOptions, TaskId, TaskStatus};
 use runwarden::config::{AssigneeConfig, Config, ShutdownMode, Synchronous};
 use runwarden::process;
 use runwarden::{Supervisor, SupervisorHandle};
 use serde_json::json;
 use tokio::runtime::Runtime;
-use tokio::sync::broadcast::{self, error::RecvError};
+use tokio::sync::broadcast::error::RecvError;
 
 use crate::util::{
     Summary, cpu_per_run, cpu_us, mean, median, now_ns, p50_p99, percentile, thread_cpu_report,
@@ -60,7 +60,7 @@ enum Recv {
     Closed,
 }
 
-fn recv(rt: &Runtime, feed: &mut broadcast::Receiver<Arc<Event>>, d: Duration) -> Recv {
+fn recv(rt: &Runtime, feed: &mut EventFeed, d: Duration) -> Recv {
     // The timer must be created inside the runtime.
     match rt.block_on(async { tokio::time::timeout(d, feed.recv()).await }) {
         Err(_) => Recv::Timeout,
@@ -154,12 +154,7 @@ impl Collected {
 
 /// Follows the event feed until `n` tasks are done (or blocked). If the feed lags, falls back
 /// to polling the status counts.
-fn collect(
-    mut feed: broadcast::Receiver<Arc<Event>>,
-    store: Store,
-    n: usize,
-    timeout: Duration,
-) -> Collected {
+fn collect(mut feed: EventFeed, store: Store, n: usize, timeout: Duration) -> Collected {
     let rt = runtime();
     let deadline = Instant::now() + timeout;
     let mut c = Collected::default();

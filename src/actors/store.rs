@@ -27,8 +27,9 @@ const READERS: usize = 4;
 const STORE_MAILBOX: usize = 65_536;
 /// How long a batch that already has company waits for more (see `writer_loop`).
 const LINGER: std::time::Duration = std::time::Duration::from_micros(200);
-/// Events buffered per subscriber before it is told it lagged (and re-reads from the board).
-const EVENT_CHANNEL: usize = 8192;
+/// Commits (event batches) buffered per subscriber before it is told it lagged (and re-reads
+/// from the board).
+const EVENT_CHANNEL: usize = 1024;
 
 /// A failed store call: a stable error code (the protocol's) and a one-line message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -116,7 +117,7 @@ pub struct Store {
     /// through the actor's mailbox would cost every write an extra turn of the actor thread,
     /// which is shared with every worker and the dispatcher.
     jobs: mpsc::Sender<Queued>,
-    events: broadcast::Sender<Arc<Event>>,
+    events: broadcast::Sender<EventBatch>,
     /// Read-only connections: in WAL mode readers never wait for the writer, so queries
     /// (`show`, `ls`, `wait`, the sweeps) do not queue behind writes, nor — up to the pool's
     /// size — behind each other.
@@ -189,6 +190,7 @@ impl Store {
         mut on_event: impl FnMut(Arc<Event>) -> bool + 'static,
         mut on_lag: impl FnMut(u64) + 'static,
     ) {
+        // `on_lag` hears of missed commits (each one or more events).
         let mut feed = self.subscribe();
         actix_rt::spawn(async move {
             loop {
@@ -215,8 +217,58 @@ impl Store {
     }
 
     /// Every event committed from now on, in id order.
-    pub fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
-        self.events.subscribe()
+    pub fn subscribe(&self) -> EventFeed {
+        EventFeed {
+            batches: self.events.subscribe(),
+            current: None,
+        }
+    }
+}
+
+/// The events of one commit, in id order: the unit the store publishes (one wake-up per
+/// subscriber per commit, not one per event).
+pub type EventBatch = Arc<[Arc<Event>]>;
+
+/// A subscription to the committed events ([`Store::subscribe`]), handed out one at a time.
+pub struct EventFeed {
+    batches: broadcast::Receiver<EventBatch>,
+    /// The batch being handed out and the index of its next event.
+    current: Option<(EventBatch, usize)>,
+}
+
+impl EventFeed {
+    /// The next committed event. `Lagged(n)`: this subscriber fell more than the channel's
+    /// capacity behind and `n` commits' events were dropped for it (re-read them from the
+    /// board); `Closed`: the store has stopped.
+    pub async fn recv(&mut self) -> Result<Arc<Event>, broadcast::error::RecvError> {
+        loop {
+            if let Some(ev) = self.next_pending() {
+                return Ok(ev);
+            }
+            let batch = self.batches.recv().await?;
+            self.current = Some((batch, 0));
+        }
+    }
+
+    /// [`EventFeed::recv`] without waiting.
+    pub fn try_recv(&mut self) -> Result<Arc<Event>, broadcast::error::TryRecvError> {
+        loop {
+            if let Some(ev) = self.next_pending() {
+                return Ok(ev);
+            }
+            let batch = self.batches.try_recv()?;
+            self.current = Some((batch, 0));
+        }
+    }
+
+    fn next_pending(&mut self) -> Option<Arc<Event>> {
+        let (batch, next) = self.current.as_mut()?;
+        let ev = batch.get(*next).cloned();
+        *next += 1;
+        if ev.is_none() {
+            self.current = None;
+        }
+        ev
     }
 }
 
@@ -348,7 +400,7 @@ fn drain(jobs: &mpsc::Receiver<Queued>, batch: &mut Vec<Job>) -> bool {
 fn writer_loop(
     mut board: Board,
     jobs: mpsc::Receiver<Queued>,
-    feed: broadcast::Sender<Arc<Event>>,
+    feed: broadcast::Sender<EventBatch>,
     mut watermark: EventId,
     counters: &Counters,
 ) {
@@ -414,7 +466,7 @@ fn writer_loop(
 /// case everything after the watermark is read from the board, so no event is ever skipped.
 fn publish(
     board: &mut Board,
-    feed: &broadcast::Sender<Arc<Event>>,
+    feed: &broadcast::Sender<EventBatch>,
     watermark: EventId,
     appended: Vec<Event>,
 ) -> EventId {
@@ -425,12 +477,11 @@ fn publish(
     if !contiguous {
         return publish_from_board(board, feed, watermark);
     }
-    let mut last = watermark;
-    for ev in appended {
-        last = ev.id;
-        // No subscriber is fine (send errs only then).
-        let _ = feed.send(Arc::new(ev));
-    }
+    let Some(last) = appended.last().map(|ev| ev.id) else {
+        return watermark;
+    };
+    // No subscriber is fine (send errs only then).
+    let _ = feed.send(appended.into_iter().map(Arc::new).collect());
     last
 }
 
@@ -438,7 +489,7 @@ fn publish(
 /// watermark.
 fn publish_from_board(
     board: &mut Board,
-    feed: &broadcast::Sender<Arc<Event>>,
+    feed: &broadcast::Sender<EventBatch>,
     mut watermark: EventId,
 ) -> EventId {
     loop {
@@ -450,9 +501,9 @@ fn publish_from_board(
             }
         };
         let more = events.len() == 4096;
-        for ev in events {
-            watermark = ev.id;
-            let _ = feed.send(Arc::new(ev));
+        if let Some(last) = events.last() {
+            watermark = last.id;
+            let _ = feed.send(events.into_iter().map(Arc::new).collect());
         }
         if !more {
             return watermark;

@@ -15,7 +15,6 @@
 //! behind), the missed events are still on the board: go back to step 2 from the last id sent.
 
 use std::rc::Rc;
-use std::sync::Arc;
 
 use futures::FutureExt;
 use futures::future::LocalBoxFuture;
@@ -24,7 +23,7 @@ use tokio::sync::{broadcast, mpsc};
 use super::ops::{OpError, Outcome, respond};
 use super::protocol::{Events, FollowReply, RequestId, Response};
 use super::server::Shared;
-use crate::actors::store::Store;
+use crate::actors::store::{EventFeed, Store};
 use crate::board::{Event, EventId, TaskId};
 
 /// Events read from the board per catch-up page.
@@ -67,7 +66,7 @@ pub(super) fn start(
 
 struct Follower {
     store: Store,
-    feed: broadcast::Receiver<Arc<Event>>,
+    feed: EventFeed,
     id: Option<RequestId>,
     task: Option<TaskId>,
     /// The highest event id already accounted for (sent, or skipped by the task filter).
