@@ -20,7 +20,7 @@ impl Tx<'_> {
             .prepare_cached(
                 "INSERT INTO task_events (task_id, run_id, kind, payload, at) VALUES (?1, ?2, ?3, ?4, ?5)",
             )?
-            .execute(params![task_id, run_id, kind, payload.to_string(), now])?;
+            .execute(params![task_id, run_id, kind, payload_text(&payload), now])?;
         let id = self.conn.last_insert_rowid();
         if let Some(appended) = self.appended {
             appended.borrow_mut().push(Event {
@@ -81,4 +81,10 @@ impl Tx<'_> {
             .flatten()
             .unwrap_or(0))
     }
+}
+
+/// The stored form of a payload: compact JSON. (`serde_json::to_string` writes straight into
+/// a `Vec`; `Display` goes through `fmt::Write` and costs several times as much per event.)
+fn payload_text(payload: &serde_json::Value) -> String {
+    serde_json::to_string(payload).unwrap_or_else(|_| payload.to_string())
 }

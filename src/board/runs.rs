@@ -27,10 +27,17 @@ pub struct ExitInfo {
     pub signal: Option<i32>,
 }
 
+/// A run's secret: 128 random bits as 32 lowercase hex digits.
 fn new_token() -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut bytes = [0u8; 16];
     rand::thread_rng().fill_bytes(&mut bytes);
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    let mut token = String::with_capacity(32);
+    for b in bytes {
+        token.push(HEX[usize::from(b >> 4)] as char);
+        token.push(HEX[usize::from(b & 0xf)] as char);
+    }
+    token
 }
 
 impl Tx<'_> {
