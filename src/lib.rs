@@ -14,10 +14,11 @@
 //! - [`process`]: process identity ([`process::Fingerprint`], [`process::liveness`]) and safe
 //!   signalling (pidfd opened, fingerprint re-verified, whole process group signalled),
 //!   descendant tracking, the subreaper's orphan reaping.
-//! - [`actors`]: the running supervisor — `StoreActor` (the only writer, group commit),
-//!   `DispatcherActor` (claims within caps, adopts a previous incarnation's workers),
-//!   `WorkerActor` (one per live run), `ReaperActor` (ends closed runs' workers after the
-//!   grace), `HookActor`.
+//! - [`actors`]: the running supervisor — `StoreActor` (the only writer: one thread, group
+//!   commit, publishes each commit's events as one batch), `DispatcherActor` (claims within
+//!   caps, adopts a previous incarnation's workers), `WorkerActor` (one per live run; its
+//!   process is started on the supervisor's `Spawner` threads and watched through its pidfd),
+//!   `ReaperActor` (ends closed runs' workers after the grace), `HookActor`.
 //! - [`control`]: the control socket — NDJSON protocol, server, blocking client.
 //! - [`supervisor`]: boot and shutdown of the whole runtime; [`Supervisor::start`] for
 //!   embedding, [`supervisor::run`] for `runwarden serve`.
