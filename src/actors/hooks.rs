@@ -81,10 +81,10 @@ impl Actor for HookActor {
                 me.do_send(HookEvent(ev));
                 me.connected()
             },
-            |missed| {
+            |missed_commits| {
                 tracing::warn!(
-                    missed,
-                    "hooks lagged behind the event feed; some hooks did not run"
+                    missed_commits,
+                    "hooks lagged behind the event feed; the events of those commits ran no hooks"
                 )
             },
         );

@@ -60,7 +60,35 @@ pub struct Spawner {
 
 struct SpawnJob {
     spec: SpawnSpec,
-    reply: oneshot::Sender<Result<Spawned, String>>,
+    reply: oneshot::Sender<Result<Handoff, String>>,
+}
+
+/// A started child on its way to its WorkerActor. Dropped undelivered — its actor stopped
+/// after asking for it (the reply could not be sent, or was never read) — it kills the child
+/// with its group: nobody else knows of it, its evidence was never recorded.
+struct Handoff(Option<Spawned>);
+
+impl Handoff {
+    fn take(mut self) -> Spawned {
+        self.0.take().expect("a handoff is taken once")
+    }
+}
+
+impl Drop for Handoff {
+    fn drop(&mut self) {
+        let Some(child) = self.0.take() else { return };
+        tracing::warn!(
+            pid = child.pid,
+            "spawn: its worker actor is gone; killing the new child"
+        );
+        // Our own, unreaped child: its pidfd names it. SIGKILL, not a grace: it is
+        // milliseconds old and nobody will supervise it. Its zombie is left to the orphan
+        // reaper (no owner will wait for it now).
+        if let Err(e) = child.pidfd.signal_group(process::Signal::SIGKILL) {
+            tracing::warn!(pid = child.pid, error = %e, "spawn: cannot kill an undelivered child");
+        }
+        process::owned::unregister(child.pid);
+    }
 }
 
 impl Spawner {
@@ -81,14 +109,13 @@ impl Spawner {
                         };
                         // A caller that went away (its actor stopped) no longer wants a
                         // child: none is started for it, and one started while it left is
-                        // ended at once (nobody else knows of it: its evidence was never
-                        // recorded).
+                        // killed by its Handoff's drop.
                         if job.reply.is_closed() {
                             continue;
                         }
-                        if let Err(Ok(unwanted)) = job.reply.send(spawn(&job.spec)) {
-                            end_unwanted(unwanted);
-                        }
+                        let _ = job
+                            .reply
+                            .send(spawn(&job.spec).map(|child| Handoff(Some(child))));
                     }
                 })?;
         }
@@ -112,29 +139,13 @@ impl Spawner {
             if !queued {
                 return Err("the spawner has stopped".to_string());
             }
-            rx.await
-                .unwrap_or_else(|_| Err("the spawner stopped before starting it".to_string()))
+            match rx.await {
+                Ok(started) => started.map(Handoff::take),
+                Err(_) => Err("the spawner stopped before starting it".to_string()),
+            }
         }
     }
 }
-
-/// Ends a child whose caller left before it could be handed over, and reaps it.
-fn end_unwanted(child: Spawned) {
-    tracing::warn!(
-        pid = child.pid,
-        "spawn: its worker actor is gone; ending the new child"
-    );
-    if let Err(e) = process::terminate_group(&child.pidfd, UNWANTED_KILL_AFTER) {
-        tracing::warn!(pid = child.pid, error = %e, "spawn: cannot end an unwanted child");
-    }
-    let _ = child.pidfd.wait_exit(UNWANTED_KILL_AFTER);
-    if matches!(child.pidfd.try_reap(), Ok(Some(_))) {
-        process::owned::unregister(child.pid);
-    }
-}
-
-/// How long an unwanted child gets between SIGTERM and SIGKILL.
-const UNWANTED_KILL_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Starts the worker. Errors are one line, naming what failed.
 pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
@@ -366,4 +377,67 @@ fn rlimit_pairs(
             Ok((r, value))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn spec(dir: &Path, argv: &[&str]) -> SpawnSpec {
+        SpawnSpec {
+            run_id: 1,
+            task_id: 1,
+            token: "0123456789abcdef0123456789abcdef".into(),
+            title: "t".into(),
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            env: BTreeMap::new(),
+            cwd: dir.join("work").join("1"),
+            own_cwd: true,
+            socket: dir.join("control.sock"),
+            log_path: dir.join("logs").join("1.log"),
+            log_max_bytes: 10 << 20,
+            uid: None,
+            gid: None,
+            umask: None,
+            rlimits: BTreeMap::new(),
+        }
+    }
+
+    /// Waits for our child's exit through a pidfd of our own, then reaps it.
+    fn exits_and_is_reaped(pidfd: &PidFd) -> bool {
+        let exited = pidfd.wait_exit(Duration::from_secs(10)).unwrap_or(false);
+        exited && matches!(pidfd.try_reap(), Ok(Some(_)))
+    }
+
+    #[test]
+    fn a_spawner_delivers_a_started_registered_child() {
+        let dir = tempfile::tempdir().unwrap();
+        let spawner = Spawner::start(1).unwrap();
+        let child = futures::executor::block_on(spawner.submit(spec(dir.path(), &["true"])))
+            .expect("spawned");
+        assert!(process::owned::is_registered(child.pid));
+        assert!(child.fingerprint.is_some());
+        assert!(exits_and_is_reaped(&child.pidfd));
+        process::owned::unregister(child.pid);
+    }
+
+    #[test]
+    fn an_undelivered_child_is_killed_and_left_to_the_orphan_reaper() {
+        let dir = tempfile::tempdir().unwrap();
+        let child = spawn(&spec(dir.path(), &["sleep", "30"])).expect("spawned");
+        let pid = child.pid;
+        // Our own view of it, to see it die after the handoff is dropped.
+        let watch = PidFd::open(pid).expect("pidfd of our unreaped child");
+        drop(Handoff(Some(child)));
+        assert!(
+            !process::owned::is_registered(pid),
+            "the orphan reaper may collect it"
+        );
+        assert!(
+            exits_and_is_reaped(&watch),
+            "the undelivered child was not killed"
+        );
+    }
 }

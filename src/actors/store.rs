@@ -115,7 +115,9 @@ pub struct Store {
     pub addr: Addr<StoreActor>,
     /// The writer thread's queue. Ops go straight into it from whichever thread calls: a trip
     /// through the actor's mailbox would cost every write an extra turn of the actor thread,
-    /// which is shared with every worker and the dispatcher.
+    /// which is shared with every worker and the dispatcher. It is unbounded; what can be in
+    /// flight is bounded by the callers (the control server: connections × pipelining window;
+    /// each actor awaits its own ops).
     jobs: mpsc::Sender<Queued>,
     events: broadcast::Sender<EventBatch>,
     /// Read-only connections: in WAL mode readers never wait for the writer, so queries

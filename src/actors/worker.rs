@@ -76,6 +76,8 @@ pub struct WorkerActor {
     claim_on_close: Option<ClaimParams>,
     /// That claim ran (without error) and nothing changed after it: see WorkerFinished.
     refilled: bool,
+    /// Our child's pid is out of the owned-children registry (see `release_pid`).
+    pid_released: bool,
     /// How long a worker whose run closed by its own report may live on.
     grace: Duration,
     /// A tree-end (terminate_tree) is running; further Terminates are redundant.
@@ -126,6 +128,7 @@ impl WorkerActor {
             exit_recorded: false,
             claim_on_close: None,
             refilled: false,
+            pid_released: false,
             grace: Duration::ZERO,
             tree_ending: false,
             clear_when_ended: false,
@@ -225,6 +228,14 @@ impl WorkerActor {
             .wait(ctx);
     }
 
+    /// Takes our child's pid out of the owned-children registry — once: after its reaping the
+    /// pid may already name another worker, whose registration must stay.
+    fn release_pid(&mut self, pidfd: &PidFd) {
+        if !std::mem::replace(&mut self.pid_released, true) {
+            process::owned::unregister(pidfd.pid());
+        }
+    }
+
     fn on_exit(&mut self, ctx: &mut Context<Self>) {
         let Some(pidfd) = self.pidfd.clone() else {
             return self.finish(ctx);
@@ -235,7 +246,7 @@ impl WorkerActor {
                 return self.record_exit(pidfd, None, ctx);
             }
             Ok(Some(s)) => {
-                process::owned::unregister(pidfd.pid());
+                self.release_pid(&pidfd);
                 s
             }
             Ok(None) => {
@@ -250,7 +261,7 @@ impl WorkerActor {
                 // Someone else reaped it (it should not happen: see process::owned); the
                 // status is lost, which the run records as "exit status unknown".
                 tracing::error!(run_id = self.run_id(), error = %e, "worker: cannot reap child");
-                process::owned::unregister(pidfd.pid());
+                self.release_pid(&pidfd);
                 return self.record_exit(pidfd, None, ctx);
             }
         };
@@ -575,10 +586,10 @@ impl Actor for WorkerActor {
     fn stopped(&mut self, _: &mut Self::Context) {
         // A worker left running (shutdown = "leave") is nobody's to reap any more: let the
         // orphan reaper of a later supervisor in this process collect its zombie.
-        if let Some(fd) = &self.pidfd
+        if let Some(fd) = self.pidfd.clone()
             && self.adopted_started_at.is_none()
         {
-            process::owned::unregister(fd.pid());
+            self.release_pid(&fd);
         }
         // A worker actor that stops before its child was reported finished (a bug, or the
         // system going down) still tells the dispatcher, so the slot is not lost.

@@ -206,7 +206,10 @@ impl super::Tx<'_> {
             let before = self.conn.total_changes();
             match self.claim_task(task.id, &rules.claimer, now, rules.lease_ms) {
                 Ok(claim) => claimed.push((claim, task)),
-                Err(e) if self.conn.total_changes() != before => return Err(e),
+                // (An error that rolled the whole transaction back leaves autocommit on.)
+                Err(e) if self.conn.total_changes() != before || self.conn.is_autocommit() => {
+                    return Err(e);
+                }
                 Err(e) => {
                     tracing::debug!(task_id = task.id, error = %e, "claim refused");
                     // A task whose parent reopened is demoted here, after the refused claim

@@ -311,13 +311,15 @@ impl<'a> Tx<'a> {
                 Ok(v)
             }
             Err(e) => {
+                // First: should the rollback itself fail, none of these events may be
+                // published.
+                if let (Some(a), Some(mark)) = (self.appended, mark) {
+                    a.borrow_mut().truncate(mark);
+                }
                 self.conn
                     .prepare_cached("ROLLBACK TO nested")?
                     .execute([])?;
                 self.conn.prepare_cached("RELEASE nested")?.execute([])?;
-                if let (Some(a), Some(mark)) = (self.appended, mark) {
-                    a.borrow_mut().truncate(mark);
-                }
                 Err(e)
             }
         }

@@ -51,10 +51,14 @@ pub fn reap_orphans_among(children: &[ProcStat], keep: &dyn Fn(Pid) -> bool) -> 
         .collect();
 
     let mut reaped = Vec::new();
+    if orphans.is_empty() {
+        return reaped;
+    }
+    // Each one is checked again with spawns held off, through its waitpid: a child spawned
+    // (and registered) since the scan is never taken for an orphan. Held once for the lot, so
+    // spawns wait once, not once per orphan.
+    let owned = super::owned::reaping();
     for pid in orphans {
-        // Checked again with spawns held off, through the waitpid: a child spawned (and
-        // registered) since the scan is never taken for an orphan.
-        let owned = super::owned::reaping();
         if owned.is_registered(pid) {
             continue;
         }

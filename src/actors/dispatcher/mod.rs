@@ -32,13 +32,9 @@ const QUIET_KINDS: &[&str] = &[
 ];
 
 /// Kinds the transaction recording a worker's exit appends after `worker_exited`.
-const EXIT_TX_KINDS: &[&str] = &[
-    "run_closed",
-    "completed",
-    "retry_scheduled",
-    "gave_up",
-    "terminal_worker_reaped",
-];
+/// (`terminal_worker_reaped` is left out: the reaper also writes it, in a transaction of its
+/// own.)
+const EXIT_TX_KINDS: &[&str] = &["run_closed", "completed", "retry_scheduled", "gave_up"];
 
 /// Run a dispatch pass now.
 #[derive(Message)]
@@ -556,8 +552,8 @@ impl Actor for DispatcherActor {
                 me.connected()
             },
             // Lagging only loses wake-ups, which the next pass covers.
-            move |missed| {
-                tracing::debug!(missed, "dispatcher lagged behind the event feed");
+            move |missed_commits| {
+                tracing::debug!(missed_commits, "dispatcher lagged behind the event feed");
                 lagging.do_send(Kick);
             },
         );
