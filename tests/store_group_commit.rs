@@ -240,3 +240,43 @@ fn events_written_beside_the_store_are_published_too_in_order() {
     );
     assert!(seen.windows(2).all(|w| w[1].0 == w[0].0 + 1), "{seen:?}");
 }
+
+#[test]
+fn a_full_disk_fails_the_batch_cleanly_and_the_board_goes_on() {
+    let (mut tb, task) = board_with_task();
+    // Room for small rows in the pages the board has, none for a new page: a "full disk" for
+    // any op that needs one (SQLITE_FULL, the same error a full file system gives). SQLite
+    // clamps the limit to the board's current size. (The pragma answers with a row, which
+    // `execute_raw` reports as an error after applying it.)
+    let _ = tb.board.execute_raw("PRAGMA max_page_count = 1", []);
+    let big = "x".repeat(64 * 1024);
+    let ops: Vec<BatchOp<'_, i64>> = vec![
+        Box::new(move |tx| tx.append_event(Some(task), None, "small", note(1), T)),
+        Box::new(move |tx| tx.comment(task, "me", &big, T)),
+        Box::new(move |tx| tx.append_event(Some(task), None, "small", note(3), T)),
+    ];
+    // SQLite rolls the whole transaction back on SQLITE_FULL: the batch fails as one, with a
+    // clear code, and nothing of it — not even the op after the failing one — is durable.
+    let err = tb
+        .board
+        .write_batch(ops)
+        .expect_err("the full disk fails the batch");
+    assert_eq!(err.code(), "disk_full", "{err}");
+    assert_eq!(kinds(&mut tb.board, task), ["created"]);
+
+    // Alone, the op that needs the space gets its own clear error; small writes go on.
+    let big = "x".repeat(64 * 1024);
+    let ops: Vec<BatchOp<'_, i64>> = vec![Box::new(move |tx| tx.comment(task, "me", &big, T))];
+    let committed = tb
+        .board
+        .write_batch(ops)
+        .expect("a lone op's failure is its own");
+    assert!(matches!(&committed.results[..], [Err(e)] if e.code() == "disk_full"));
+    let ops: Vec<BatchOp<'_, i64>> = vec![
+        Box::new(move |tx| tx.append_event(Some(task), None, "small", note(4), T)),
+        Box::new(move |tx| tx.append_event(Some(task), None, "small", note(5), T)),
+    ];
+    let committed = tb.board.write_batch(ops).expect("small writes still fit");
+    assert!(committed.results.iter().all(|r| r.is_ok()));
+    assert_eq!(kinds(&mut tb.board, task), ["created", "small", "small"]);
+}

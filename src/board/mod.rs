@@ -225,8 +225,9 @@ impl Board {
     /// Runs every op of `batch` in ONE write transaction (group commit), each inside its own
     /// savepoint: an op that fails is rolled back alone and the others still commit. Returns
     /// each op's result in order, plus the events the committed ops appended (id order), or
-    /// the commit error when the transaction as a whole failed (then nothing of the batch is
-    /// durable).
+    /// an error when the transaction as a whole failed — at the commit, or by an op's error
+    /// that rolled the whole transaction back (a full disk): then nothing of the batch is
+    /// durable.
     pub fn write_batch<T>(&mut self, batch: Vec<BatchOp<'_, T>>) -> Result<Committed<T>> {
         let tx = self
             .conn
@@ -249,7 +250,16 @@ impl Board {
             results.push(out);
         } else {
             for op in batch {
-                results.push(txn.nested(op));
+                let out = txn.nested(op);
+                if tx.is_autocommit() {
+                    // The error rolled back the whole transaction (SQLite does that for some,
+                    // e.g. a full disk): nothing of the batch stands, and no later op may run
+                    // outside a transaction, each of its statements committing on its own.
+                    return Err(out.err().unwrap_or_else(|| {
+                        BoardError::Invalid("the batch's transaction ended early".into())
+                    }));
+                }
+                results.push(out);
             }
         }
         tx.commit()?;
@@ -315,6 +325,11 @@ impl<'a> Tx<'a> {
                 // published.
                 if let (Some(a), Some(mark)) = (self.appended, mark) {
                     a.borrow_mut().truncate(mark);
+                }
+                if self.conn.is_autocommit() {
+                    // The error rolled back the whole transaction, savepoints included (SQLite
+                    // does that on a full disk): report the error itself.
+                    return Err(e);
                 }
                 self.conn
                     .prepare_cached("ROLLBACK TO nested")?
