@@ -364,6 +364,10 @@ impl WorkerActor {
             return;
         }
         self.tree_ending = true;
+        // The signal the worker waits for goes out now, from this thread, when that is one
+        // syscall: the pool thread below (the /proc scan for escaped descendants, the wait,
+        // SIGKILL) may start late when many trees end at once. It repeats the SIGTERM; harmless.
+        pidfd.signal_group_at_once(process::Signal::SIGTERM);
         let (run_id, token, kill) = (self.run_id(), self.spec.token.clone(), self.kill_timeout);
         let pid = pidfd.pid();
         async move {

@@ -85,6 +85,21 @@ impl PidFd {
         group_fallback::signal_group(self, sig)
     }
 
+    /// [`PidFd::signal_group`] only where the kernel does it in one syscall (Linux ≥ 6.9):
+    /// true if sent; false, with nothing sent, where it would take the per-member fallback (a
+    /// `/proc` scan) or failed. For callers that must not block (an actor thread) and follow
+    /// up with the full [`PidFd::signal_group`] elsewhere.
+    pub fn signal_group_at_once(&self, sig: Signal) -> bool {
+        !group_fallback::use_fallback()
+            && self
+                .send_raw(
+                    sig as libc::c_int,
+                    PIDFD_SIGNAL_PROCESS_GROUP,
+                    "pidfd_send_signal(PIDFD_SIGNAL_PROCESS_GROUP)",
+                )
+                .is_ok()
+    }
+
     /// Whether the group still has any member, zombies included: signal 0 to the group, which
     /// checks delivery without sending anything (a `/proc` scan on kernels before 6.9).
     pub fn group_exists(&self) -> Result<bool, ProcessError> {
@@ -305,6 +320,23 @@ mod tests {
         );
         assert!(!pidfd.group_exists().unwrap());
         assert!(pidfd.try_reap().is_err());
+    }
+
+    #[test]
+    fn signal_group_at_once_signals_or_says_it_did_not() {
+        let (pidfd, _guard) = spawn_leader("exec sleep 30");
+        // (The same syscall as signal_group, whose reach over a whole group is tested there.)
+        assert!(
+            pidfd.signal_group_at_once(Signal::SIGTERM),
+            "this kernel has the flag"
+        );
+        assert!(pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+        assert_eq!(
+            pidfd.try_reap().unwrap(),
+            Some(ExitStatus::Signal(libc::SIGTERM))
+        );
+        // Nobody left to signal: false, not an error.
+        assert!(!pidfd.signal_group_at_once(Signal::SIGTERM));
     }
 
     #[test]
