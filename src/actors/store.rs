@@ -320,9 +320,9 @@ impl Actor for StoreActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        // actix's default mailbox holds 16 messages; past that, senders park and are resumed in
-        // no set order. Every write of the supervisor comes through here, in bursts (a pipelining
-        // client, a pass claiming for many workers): keep arrival order and never park them.
+        // The supervisor's own writes go straight to the writer's queue (Store::call); the
+        // mailbox carries typed `Exec` messages sent through the address. actix's default holds
+        // 16; past that, senders park and are resumed in no set order: keep arrival order.
         ctx.set_mailbox_capacity(STORE_MAILBOX);
     }
 

@@ -100,21 +100,24 @@ impl WorkerActor {
         store: Store,
         dispatcher: Addr<DispatcherActor>,
     ) -> Self {
-        let limits = (max_runtime, kill_timeout);
-        WorkerActor::with_parts(spec, Some(spawner), policy, limits, store, dispatcher)
+        WorkerActor {
+            spawner: Some(spawner),
+            ..WorkerActor::base(spec, policy, max_runtime, kill_timeout, store, dispatcher)
+        }
     }
 
-    fn with_parts(
+    /// Everything but the spawner (which an adopted worker has no use for).
+    fn base(
         spec: SpawnSpec,
-        spawner: Option<Spawner>,
         policy: ExitPolicy,
-        (max_runtime, kill_timeout): (Option<Duration>, Duration),
+        max_runtime: Option<Duration>,
+        kill_timeout: Duration,
         store: Store,
         dispatcher: Addr<DispatcherActor>,
     ) -> Self {
         WorkerActor {
             spec,
-            spawner,
+            spawner: None,
             policy,
             max_runtime,
             kill_timeout,
@@ -150,8 +153,7 @@ impl WorkerActor {
         store: Store,
         dispatcher: Addr<DispatcherActor>,
     ) -> Self {
-        let limits = (max_runtime, kill_timeout);
-        let mut w = WorkerActor::with_parts(spec, None, policy, limits, store, dispatcher);
+        let mut w = WorkerActor::base(spec, policy, max_runtime, kill_timeout, store, dispatcher);
         w.pidfd = Some(Arc::new(pidfd));
         w.fingerprint = Some(fingerprint);
         w.adopted_started_at = Some(run_started_at);

@@ -30,35 +30,37 @@ impl Tx<'_> {
 
     /// One task's status (cheaper than `get_task`).
     pub fn task_status(&self, id: TaskId) -> Result<TaskStatus> {
-        let text: Option<String> = self
-            .conn
-            .prepare_cached("SELECT status FROM tasks WHERE id = ?1")?
-            .query_row([id], |r| r.get(0))
-            .optional()?;
-        let text = text.ok_or_else(|| BoardError::not_found("task", id))?;
-        text.parse().map_err(BoardError::Invalid)
+        let text: String =
+            self.task_fields(id, "SELECT status FROM tasks WHERE id = ?1", |r| r.get(0))?;
+        parse_status(text)
     }
 
     /// One task's status and current run (cheaper than `get_task`).
     pub fn task_state(&self, id: TaskId) -> Result<(TaskStatus, Option<RunId>)> {
-        let row: Option<(String, Option<RunId>)> = self
-            .conn
-            .prepare_cached("SELECT status, current_run_id FROM tasks WHERE id = ?1")?
-            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
-            .optional()?;
-        let (text, current) = row.ok_or_else(|| BoardError::not_found("task", id))?;
-        Ok((text.parse().map_err(BoardError::Invalid)?, current))
+        let sql = "SELECT status, current_run_id FROM tasks WHERE id = ?1";
+        let (text, current) = self.task_fields(id, sql, |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok((parse_status(text)?, current))
     }
 
     /// One task's status and assignee (what a claim needs; cheaper than `get_task`).
     pub fn task_status_and_assignee(&self, id: TaskId) -> Result<(TaskStatus, Option<String>)> {
-        let row: Option<(String, Option<String>)> = self
-            .conn
-            .prepare_cached("SELECT status, assignee FROM tasks WHERE id = ?1")?
-            .query_row([id], |r| Ok((r.get(0)?, r.get(1)?)))
-            .optional()?;
-        let (text, assignee) = row.ok_or_else(|| BoardError::not_found("task", id))?;
-        Ok((text.parse().map_err(BoardError::Invalid)?, assignee))
+        let sql = "SELECT status, assignee FROM tasks WHERE id = ?1";
+        let (text, assignee) = self.task_fields(id, sql, |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok((parse_status(text)?, assignee))
+    }
+
+    /// A few columns of one task (`sql` selects them by `id = ?1`); `NotFound` if none.
+    fn task_fields<T>(
+        &self,
+        id: TaskId,
+        sql: &str,
+        row: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Result<T> {
+        self.conn
+            .prepare_cached(sql)?
+            .query_row([id], row)
+            .optional()?
+            .ok_or_else(|| BoardError::not_found("task", id))
     }
 
     /// One run.
@@ -215,4 +217,8 @@ impl Tx<'_> {
             )?
             .query_row([now], |r| r.get(0))?)
     }
+}
+
+fn parse_status(text: String) -> Result<TaskStatus> {
+    text.parse().map_err(BoardError::Invalid)
 }

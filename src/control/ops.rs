@@ -168,9 +168,8 @@ where
     T: Serialize + Send + 'static,
     F: FnOnce(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
 {
-    // A store handle of its own: actix parks a *sender* whose mailbox share is used up and
-    // retries it later in no particular order, while a fresh sender always enqueues at once.
-    // So each write reaches the store when it is first polled, i.e. in arrival order.
+    // The future owns a store handle; the op enters the writer's queue when the future is
+    // first polled, i.e. in arrival order.
     let store = shared.services.store.clone();
     async move { Outcome::Line(respond(id, store.with_tx(f).await.map_err(OpError::from))) }
         .boxed_local()
