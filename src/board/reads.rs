@@ -20,9 +20,10 @@ const DEFAULT_LIST_LIMIT: u32 = 1000;
 impl Tx<'_> {
     /// One task.
     pub fn get_task(&self, id: TaskId) -> Result<Task> {
-        let sql = format!("SELECT {TASK_COLS} FROM tasks WHERE id = ?1");
+        static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let sql = SQL.get_or_init(|| format!("SELECT {TASK_COLS} FROM tasks WHERE id = ?1"));
         self.conn
-            .prepare_cached(&sql)?
+            .prepare_cached(sql)?
             .query_row([id], rows::task)
             .optional()?
             .ok_or_else(|| BoardError::not_found("task", id))
@@ -65,9 +66,10 @@ impl Tx<'_> {
 
     /// One run.
     pub fn get_run(&self, id: RunId) -> Result<Run> {
-        let sql = format!("SELECT {RUN_COLS} FROM task_runs WHERE id = ?1");
+        static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let sql = SQL.get_or_init(|| format!("SELECT {RUN_COLS} FROM task_runs WHERE id = ?1"));
         self.conn
-            .prepare_cached(&sql)?
+            .prepare_cached(sql)?
             .query_row([id], rows::run)
             .optional()?
             .ok_or_else(|| BoardError::not_found("run", id))
@@ -188,12 +190,15 @@ impl Tx<'_> {
         assignees: &[String],
         limit: u32,
     ) -> Result<Vec<Task>> {
-        let sql = format!(
-            "SELECT {TASK_COLS} FROM tasks INDEXED BY tasks_ready_assignee \
-             WHERE status = 'ready' AND assignee = ?3 AND not_before <= ?1 \
-             {NO_LIVE_PREVIOUS_WORKER} ORDER BY priority DESC, created_at, id LIMIT ?2"
-        );
-        let mut stmt = self.conn.prepare_cached(&sql)?;
+        static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let sql = SQL.get_or_init(|| {
+            format!(
+                "SELECT {TASK_COLS} FROM tasks INDEXED BY tasks_ready_assignee \
+                 WHERE status = 'ready' AND assignee = ?3 AND not_before <= ?1 \
+                 {NO_LIVE_PREVIOUS_WORKER} ORDER BY priority DESC, created_at, id LIMIT ?2"
+            )
+        });
+        let mut stmt = self.conn.prepare_cached(sql)?;
         let mut out = Vec::new();
         // One range scan per assignee (stopping at LIMIT), merged back into claim order.
         for name in assignees {

@@ -100,6 +100,27 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX tasks_ready_assignee ON tasks(assignee, priority DESC, created_at, id)
         WHERE status = 'ready';
     "#,
+    // v3: event ids without AUTOINCREMENT, which cost every event a read and a write of
+    // `sqlite_sequence` (6 % of the board's work per task lifecycle, callgrind). Ids stay
+    // strictly increasing and are never reused because the log is append-only: a plain
+    // INTEGER PRIMARY KEY takes max(id) + 1, and the newest event is never deleted. (Anything
+    // that ever prunes events must keep the newest row, or `events --follow` cursors break.)
+    // The rows are copied with their ids.
+    r#"
+    CREATE TABLE task_events_v3 (
+        id      INTEGER PRIMARY KEY,
+        task_id INTEGER,
+        run_id  INTEGER,
+        kind    TEXT    NOT NULL,
+        payload TEXT    NOT NULL DEFAULT '{}',
+        at      INTEGER NOT NULL
+    );
+    INSERT INTO task_events_v3 (id, task_id, run_id, kind, payload, at)
+        SELECT id, task_id, run_id, kind, payload, at FROM task_events ORDER BY id;
+    DROP TABLE task_events;
+    ALTER TABLE task_events_v3 RENAME TO task_events;
+    CREATE INDEX events_task ON task_events(task_id, id);
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -124,5 +145,78 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<(), BoardError> {
         tx.execute_batch(sql)?;
         tx.pragma_update(None, "user_version", current + 1)?;
         tx.commit()?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events(conn: &Connection) -> Vec<(i64, String)> {
+        let mut stmt = conn
+            .prepare("SELECT id, kind FROM task_events ORDER BY id")
+            .unwrap();
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+        rows.collect::<rusqlite::Result<_>>().unwrap()
+    }
+
+    /// A v2 board (AUTOINCREMENT event ids) keeps every event and its id through v3, and the
+    /// next event follows the newest one.
+    #[test]
+    fn v3_keeps_event_ids_and_continues_after_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = Connection::open(dir.path().join("board.db")).unwrap();
+        for sql in &MIGRATIONS[..2] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.pragma_update(None, "user_version", 2).unwrap();
+        for kind in ["created", "claimed", "completed"] {
+            conn.execute(
+                "INSERT INTO task_events (task_id, kind, at) VALUES (1, ?1, 0)",
+                [kind],
+            )
+            .unwrap();
+        }
+        // An id gap (as a rolled-back insert never leaves, but an import could).
+        conn.execute(
+            "INSERT INTO task_events (id, task_id, kind, at) VALUES (10, 1, 'archived', 0)",
+            [],
+        )
+        .unwrap();
+        let before = events(&conn);
+
+        migrate(&mut conn).unwrap();
+
+        assert_eq!(events(&conn), before);
+        let version: u32 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        conn.execute(
+            "INSERT INTO task_events (task_id, kind, at) VALUES (1, 'next', 0)",
+            [],
+        )
+        .unwrap();
+        assert_eq!(conn.last_insert_rowid(), 11);
+        let sql: String = conn
+            .query_row(
+                "SELECT sql FROM sqlite_master WHERE name = 'task_events'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(!sql.contains("AUTOINCREMENT"), "{sql}");
+        let index: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = 'events_task'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(index, 1);
+        let check: String = conn
+            .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(check, "ok");
     }
 }
