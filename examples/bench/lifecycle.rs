@@ -17,7 +17,7 @@ use runwarden::process;
 use runwarden::{Supervisor, SupervisorHandle};
 use serde_json::json;
 use tokio::runtime::Runtime;
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 use crate::util::{
     Summary, cpu_per_run, cpu_us, mean, median, now_ns, p50_p99, percentile, thread_cpu_report,
@@ -55,7 +55,7 @@ fn runtime() -> Runtime {
 
 enum Recv {
     Ev(Arc<Event>),
-    Lagged(u64),
+    Lagged,
     Timeout,
     Closed,
 }
@@ -65,7 +65,7 @@ fn recv(rt: &Runtime, feed: &mut EventFeed, d: Duration) -> Recv {
     match rt.block_on(async { tokio::time::timeout(d, feed.recv()).await }) {
         Err(_) => Recv::Timeout,
         Ok(Ok(ev)) => Recv::Ev(ev),
-        Ok(Err(RecvError::Lagged(n))) => Recv::Lagged(n),
+        Ok(Err(RecvError::Lagged(_))) => Recv::Lagged,
         Ok(Err(RecvError::Closed)) => Recv::Closed,
     }
 }
@@ -152,21 +152,29 @@ impl Collected {
     }
 }
 
+/// How often the collector drains the event feed. It polls rather than waits: a waiting
+/// subscriber is woken by every commit's broadcast, and those wakeups (a futex call in the
+/// store's thread, a context switch, often a preemption of the store) were the harness's own
+/// cost inside the supervised measurement. Polling bounds the harness to one wakeup per
+/// period whatever the rate, and adds at most one period to a round's measured time.
+const COLLECT_EVERY: Duration = Duration::from_millis(2);
+
 /// Follows the event feed until `n` tasks are done (or blocked). If the feed lags, falls back
 /// to polling the status counts.
 fn collect(mut feed: EventFeed, store: Store, n: usize, timeout: Duration) -> Collected {
-    let rt = runtime();
     let deadline = Instant::now() + timeout;
     let mut c = Collected::default();
-    while c.completed + c.blocked < n {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            c.timed_out = true;
-            break;
-        }
-        match recv(&rt, &mut feed, left) {
-            Recv::Ev(ev) => c.note(&ev),
-            Recv::Lagged(k) => {
+    'outer: while c.completed + c.blocked < n {
+        match feed.try_recv() {
+            Ok(ev) => c.note(&ev),
+            Err(TryRecvError::Empty) => {
+                if Instant::now() >= deadline {
+                    c.timed_out = true;
+                    break;
+                }
+                std::thread::sleep(COLLECT_EVERY);
+            }
+            Err(TryRecvError::Lagged(k)) => {
                 c.lagged += k;
                 loop {
                     if let Ok(counts) = store.read_blocking(|tx| tx.status_counts()) {
@@ -176,22 +184,17 @@ fn collect(mut feed: EventFeed, store: Store, n: usize, timeout: Duration) -> Co
                             c.completed = done;
                             c.blocked = blocked;
                             c.last_done = Some(Instant::now());
-                            break;
+                            break 'outer;
                         }
                     }
                     if Instant::now() >= deadline {
                         c.timed_out = true;
-                        break;
+                        break 'outer;
                     }
-                    std::thread::sleep(Duration::from_millis(2));
+                    std::thread::sleep(COLLECT_EVERY);
                 }
-                break;
             }
-            Recv::Timeout => {
-                c.timed_out = true;
-                break;
-            }
-            Recv::Closed => break,
+            Err(TryRecvError::Closed) => break,
         }
     }
     c
@@ -765,7 +768,7 @@ fn reap_precision(
                     }
                 }
                 Recv::Ev(_) => {}
-                Recv::Lagged(_) | Recv::Timeout | Recv::Closed => {
+                Recv::Lagged | Recv::Timeout | Recv::Closed => {
                     for &id in &ids {
                         if let Some(w) = spawned_from_board(sup, id) {
                             spawned.insert(id, w);
