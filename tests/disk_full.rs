@@ -1,0 +1,147 @@
+//! A full disk under a running supervisor: a write that needs space is refused with
+//! `disk_full` and nothing of it is kept, everything else keeps being served, and writes
+//! succeed again once there is room — without a restart.
+//!
+//! The data dir is a real 4 MiB tmpfs filled by a file (mounting needs root, as CI runs).
+
+#[allow(dead_code)]
+mod common;
+
+use std::ffi::CString;
+use std::fs;
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use common::control_daemon::{Daemon, RawConn, error_code};
+
+/// A small tmpfs mounted at a directory; unmounted on drop (after whatever used it).
+struct SmallFs {
+    at: PathBuf,
+}
+
+impl SmallFs {
+    fn mount(at: &Path, size: &str) -> SmallFs {
+        fs::create_dir_all(at).expect("mount point");
+        let c = |s: &[u8]| CString::new(s).expect("no NUL");
+        let (src, target, fstype, opts) = (
+            c(b"tmpfs"),
+            c(at.as_os_str().as_bytes()),
+            c(b"tmpfs"),
+            c(format!("size={size},mode=0700").as_bytes()),
+        );
+        // SAFETY: valid NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                0,
+                opts.as_ptr().cast(),
+            )
+        };
+        assert_eq!(
+            rc,
+            0,
+            "this test needs to mount a tmpfs (run it as root): {}",
+            std::io::Error::last_os_error()
+        );
+        SmallFs {
+            at: at.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let target = CString::new(self.at.as_os_str().as_bytes()).expect("no NUL");
+        // SAFETY: a valid path string. MNT_DETACH: never fail a test's cleanup on a busy mount.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// Writes zeros to `path` until the filesystem refuses; returns the bytes written.
+fn fill(path: &Path) -> u64 {
+    let mut f = fs::File::create(path).expect("filler file");
+    let chunk = vec![0u8; 64 * 1024];
+    let mut written = 0u64;
+    loop {
+        match f.write(&chunk) {
+            Ok(0) => break,
+            Ok(n) => written += n as u64,
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+            Err(e) => panic!("filling the disk failed otherwise: {e}"),
+        }
+    }
+    // Also the last partial block.
+    let small = [0u8; 512];
+    while f.write(&small).map(|n| n > 0).unwrap_or(false) {
+        written += small.len() as u64;
+    }
+    written
+}
+
+fn add(c: &mut RawConn, id: u64, title: &str, body: &str) -> serde_json::Value {
+    c.call(
+        &serde_json::json!({"id": id, "op": "add_task", "title": title, "body": body}).to_string(),
+    )
+}
+
+fn titles(c: &mut RawConn) -> Vec<String> {
+    let r = c.call(r#"{"id":900,"op":"list_tasks"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    let mut t: Vec<String> = r["result"]["tasks"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|t| t["title"].as_str().unwrap_or("").to_string())
+        .collect();
+    t.sort();
+    t
+}
+
+#[test]
+fn a_full_disk_refuses_writes_cleanly_and_the_supervisor_recovers() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    // Declared before the daemon: dropped after it (the supervisor stops, then the unmount).
+    let _fs = SmallFs::mount(&data, "4m");
+    let mut d = Daemon::start_in(dir, "", "");
+    let mut c = d.raw();
+    c.hello();
+
+    let r = add(&mut c, 1, "before", "");
+    assert_eq!(r["ok"], true, "{r}");
+
+    let filler = data.join("filler");
+    assert!(fill(&filler) > 0, "the filler wrote nothing");
+
+    // A write that needs new space: far more than the board has ever written, so it cannot
+    // fit in WAL space SQLite already holds.
+    let big = "x".repeat(512 * 1024);
+    let r = add(&mut c, 2, "too big for the disk", &big);
+    assert_eq!(error_code(&r), "disk_full", "{r}");
+    let message = r["error"]["message"].as_str().unwrap_or("");
+    assert!(message.contains("disk is full"), "says why: {r}");
+    let again = add(&mut c, 3, "still too big", &big);
+    assert_eq!(error_code(&again), "disk_full", "{again}");
+
+    // Everyone else is still served: reads, on this connection and a new one.
+    assert_eq!(titles(&mut c), ["before"]);
+    let mut other = d.raw();
+    other.hello();
+    let s = other.call(r#"{"id":4,"op":"status"}"#);
+    assert_eq!(s["ok"], true, "{s}");
+    d.assert_healthy();
+
+    // Room again: writes succeed, with no restart, and nothing of the refused ones was kept.
+    fs::remove_file(&filler).expect("remove the filler");
+    let r = add(&mut c, 5, "after", &big);
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(titles(&mut c), ["after", "before"]);
+    d.assert_healthy();
+
+    d.stop();
+    let board = runwarden::board::Board::open(&data.join("board.db")).expect("reopen");
+    assert_eq!(board.integrity_check().expect("integrity check"), "ok");
+}
