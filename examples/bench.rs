@@ -1,7 +1,7 @@
 //! Performance benchmarks of runwarden.
 //!
 //! ```text
-//! cargo run --release --example bench -- [lifecycle|store|all] [options]   (--help lists them)
+//! cargo run --release --example bench -- [lifecycle|store|socket|replay|all] [options]   (--help lists them)
 //! ```
 //!
 //! - `lifecycle`: N `/bin/true` tasks through the running actor system (a burst of N adds,
@@ -11,12 +11,16 @@
 //!   the grace), plus a micro-profile of the per-lifecycle costs.
 //! - `store`: durable event appends per second through the StoreActor (group commit, FULL)
 //!   against one transaction per append on a plain `Board`.
+//! - `replay`: the board's work of N lifecycles on one thread, no supervisor (steady, and
+//!   deterministic under callgrind): the board's share of a lifecycle, for comparing changes.
 //!
 //! Everything runs in a temporary directory under `std::env::temp_dir()`, removed at the end.
 //! The bench binary doubles as the dispatch-latency probe worker (`bench __probe`).
 
 #[path = "bench/lifecycle.rs"]
 mod lifecycle;
+#[path = "bench/replay.rs"]
+mod replay;
 #[path = "bench/socket.rs"]
 mod socket;
 #[path = "bench/store.rs"]
@@ -43,6 +47,7 @@ enum Scenario {
     Lifecycle,
     Store,
     Socket,
+    Replay,
     All,
 }
 
@@ -89,7 +94,9 @@ SCENARIOS:
                 then dispatch latency, reap precision and a per-lifecycle micro-profile
     store       durable event appends/s through the StoreActor (group commit) vs one tx each
     socket      task adds over the control socket (pipelined, one at a time) vs in-process
-    all         both
+    replay      the board work of --tasks lifecycles on one thread (no supervisor, no
+                processes): µs per lifecycle; run it under callgrind to count instructions
+    all         lifecycle, store and socket
 
 OPTIONS:
     --n N                  N of the chosen scenario (lifecycle: tasks; store: events)
@@ -165,12 +172,13 @@ fn parse_args() -> Result<Option<Opts>, String> {
         };
         match key.as_str() {
             "-h" | "--help" => return Ok(None),
-            "lifecycle" | "store" | "socket" | "all" if !scenario_seen => {
+            "lifecycle" | "store" | "socket" | "replay" | "all" if !scenario_seen => {
                 scenario_seen = true;
                 o.scenario = match key.as_str() {
                     "lifecycle" => Scenario::Lifecycle,
                     "store" => Scenario::Store,
                     "socket" => Scenario::Socket,
+                    "replay" => Scenario::Replay,
                     _ => Scenario::All,
                 };
             }
@@ -213,7 +221,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
     }
     if let Some(n) = n {
         match o.scenario {
-            Scenario::Lifecycle => o.tasks = n,
+            Scenario::Lifecycle | Scenario::Replay => o.tasks = n,
             Scenario::Store => o.events = n,
             Scenario::Socket => o.adds = n,
             Scenario::All => {
@@ -267,6 +275,13 @@ fn main() -> ExitCode {
         if let Err(e) = socket::run(&opts, dir.path(), &mut summary) {
             eprintln!("bench: socket failed: {e}");
             summary.line(format!("socket: ERROR {e}"));
+            failed = true;
+        }
+    }
+    if opts.scenario == Scenario::Replay {
+        if let Err(e) = replay::run(&opts, dir.path(), &mut summary) {
+            eprintln!("bench: replay failed: {e}");
+            summary.line(format!("replay: ERROR {e}"));
             failed = true;
         }
     }
