@@ -700,35 +700,3 @@ fn migrations_are_idempotent_and_a_newer_schema_is_refused() {
     drop(conn);
     drop(dir);
 }
-
-#[test]
-fn new_boards_use_small_pages_and_old_boards_keep_theirs() {
-    let page_size = |path: &std::path::Path| -> i64 {
-        rusqlite::Connection::open(path)
-            .unwrap()
-            .query_row("PRAGMA page_size", [], |r| r.get(0))
-            .unwrap()
-    };
-    let tb = temp_board();
-    assert_eq!(page_size(&tb.path), 1024);
-
-    // A board file created by an earlier build, with SQLite's default 4 KiB pages: opening it
-    // migrates it and it works as before, with the page size it has.
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("board.db");
-    let conn = rusqlite::Connection::open(&path).unwrap();
-    conn.pragma_update(None, "page_size", 4096).unwrap();
-    conn.execute_batch("CREATE TABLE earlier (x); DROP TABLE earlier;")
-        .unwrap();
-    drop(conn);
-    let mut tb = TempBoard {
-        board: Board::open(&path).unwrap(),
-        path,
-        dir,
-    };
-    let task = ready(&mut tb, "on an old board");
-    claim(&mut tb, task, 1);
-    assert_eq!(status(&mut tb, task), TaskStatus::Running);
-    assert_eq!(page_size(&tb.path), 4096);
-    assert_eq!(tb.board.integrity_check().unwrap(), "ok");
-}

@@ -15,7 +15,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use runwarden::board::{
-    BatchOp, Board, Claim, ClaimRules, ExitInfo, NewTask, OpenOptions, Task, TaskStatus, Tx,
+    BatchOp, Board, Claim, ClaimRules, ExitInfo, NewTask, OpenOptions, Task, TaskFilter,
+    TaskStatus, Tx,
 };
 use runwarden::process::Fingerprint;
 
@@ -34,24 +35,51 @@ pub fn run(opts: &Opts, dir: &Path, summary: &mut Summary) -> Result<(), String>
         "\n== replay: the board work of N={n} lifecycles on one thread, P={} slots, {} rounds ==",
         opts.parallel, opts.rounds
     );
-    let mut per = Vec::new();
+    let (mut per, mut list_us, mut events_us) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..opts.rounds {
         let path = dir.join(format!("replay-{round}.db"));
         let (elapsed, commits) = replay(&path, n, opts.parallel, opts.sync_full)?;
         let us = elapsed * 1e6 / n as f64;
+        let (list, events) = reads(&path)?;
         println!(
-            "round {round}: {us:6.1} µs per lifecycle ({commits} commits, {:.2} per lifecycle)",
+            "round {round}: {us:6.1} µs per lifecycle ({commits} commits, {:.2} per lifecycle) | \
+             then list_tasks(1000) {list:.0} µs, events_since(0, 10000) {events:.0} µs",
             commits as f64 / n as f64
         );
         per.push(us);
+        list_us.push(list);
+        events_us.push(events);
     }
     summary.line(format!(
-        "replay: N={n} P={} rounds={} board work per lifecycle median={:.1}us (one thread, no supervisor)",
+        "replay: N={n} P={} rounds={} board work per lifecycle median={:.1}us (one thread, no supervisor) | reads after: list_tasks(1000)={:.0}us events_since(10000)={:.0}us",
         opts.parallel,
         opts.rounds,
-        median(&per)
+        median(&per),
+        median(&list_us),
+        median(&events_us),
     ));
     Ok(())
+}
+
+/// The two big reads on the replayed board (its 6 N events), best of 10 each, in µs: what a
+/// change to the page layout costs readers.
+fn reads(path: &Path) -> Result<(f64, f64), String> {
+    let err = |e: runwarden::board::BoardError| e.to_string();
+    let mut b = Board::open(path).map_err(err)?;
+    let filter = TaskFilter {
+        limit: Some(1000),
+        ..TaskFilter::default()
+    };
+    let (mut list, mut events) = (f64::MAX, f64::MAX);
+    for _ in 0..10 {
+        let t = Instant::now();
+        b.read(|tx| tx.list_tasks(&filter)).map_err(err)?;
+        list = list.min(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        b.read(|tx| tx.events_since(0, 10_000)).map_err(err)?;
+        events = events.min(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok((list, events))
 }
 
 /// One replay on a fresh board; returns (seconds, commits).

@@ -36,8 +36,6 @@ pub use types::*;
 const STATEMENT_CACHE: usize = 256;
 /// How long a statement waits for another connection's lock before failing with `busy`.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
-/// Page size of a new board (bytes); see [`Board::open_with`].
-const PAGE_SIZE: i64 = 1024;
 
 /// Errors of the board. Each maps to one protocol error code ([`BoardError::code`]).
 #[derive(Debug, thiserror::Error)]
@@ -175,15 +173,6 @@ impl Board {
         // Every statement is prepared through the cache; the default of 16 is fewer than the
         // board's distinct statements, and a thrashing cache re-prepares on every call.
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-        if fresh {
-            // Before the first write fixes it. A board's writes are small rows: every commit
-            // appends each page it dirtied to the WAL (and every op of a group commit copies
-            // the pages it touches to its savepoint journal), so small pages mean fewer bytes
-            // copied and checksummed per transition — 12 % fewer store instructions per
-            // lifecycle than 4 KiB (callgrind). Existing boards keep the size they have.
-            conn.pragma_update(None, "page_size", PAGE_SIZE)
-                .map_err(wrap)?;
-        }
         if !opts.read_only {
             // WAL: readers (CLI, `show`) never block the supervisor's writer.
             let mode: String = conn
