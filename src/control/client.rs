@@ -209,17 +209,26 @@ impl Client {
     /// Sends `req`, waits for its reply, and decodes the result as `T`.
     pub fn call<T: DeserializeOwned>(&mut self, req: &Request) -> Result<T, ClientError> {
         let id = self.send(req)?;
+        self.reply_to(&id, req.op())
+    }
+
+    /// Waits for the reply to request `id` (an `op`) and decodes its result as `T`.
+    fn reply_to<T: DeserializeOwned>(
+        &mut self,
+        id: &RequestId,
+        op: &str,
+    ) -> Result<T, ClientError> {
         loop {
             match self.recv()? {
                 Response::Ok {
                     id: Some(got),
                     result,
-                } if got == id => {
+                } if got == *id => {
                     return serde_json::from_value(result)
-                        .map_err(|e| ClientError::Protocol(format!("{}: {e}", req.op())));
+                        .map_err(|e| ClientError::Protocol(format!("{op}: {e}")));
                 }
                 // A refusal without an id (too large, idle, unauthorized…) is about this connection.
-                Response::Err { id: got, error } if got.as_ref().is_none_or(|g| *g == id) => {
+                Response::Err { id: got, error } if got.as_ref().is_none_or(|g| g == id) => {
                     return Err(error.into());
                 }
                 // Lines of another request (a stream this caller abandoned) are skipped.
@@ -360,26 +369,12 @@ impl Client {
             follow: true,
         });
         let id = self.send(&req)?;
-        loop {
-            match self.recv()? {
-                Response::Ok {
-                    id: Some(got),
-                    result,
-                } if got == id => {
-                    serde_json::from_value::<FollowReply>(result)
-                        .map_err(|e| ClientError::Protocol(e.to_string()))?;
-                    return Ok(EventStream {
-                        client: self,
-                        id,
-                        done: false,
-                    });
-                }
-                Response::Err { id: got, error } if got.as_ref().is_none_or(|g| *g == id) => {
-                    return Err(error.into());
-                }
-                _ => continue,
-            }
-        }
+        self.reply_to::<FollowReply>(&id, req.op())?;
+        Ok(EventStream {
+            client: self,
+            id,
+            done: false,
+        })
     }
 
     /// The supervisor's state.
