@@ -99,14 +99,15 @@ SCENARIOS:
     all         lifecycle, store and socket
 
 OPTIONS:
-    --n N                  N of the chosen scenario (lifecycle: tasks; store: events)
-    --tasks N              lifecycle tasks per round               [default: 2000]
+    --n N                  N of the chosen scenario (lifecycle, replay: tasks; store: events;
+                           socket: pipelined adds)
+    --tasks N              lifecycle / replay tasks per round      [default: 2000]
     --events N             store events                            [default: 100000]
     --adds N               socket: pipelined adds per round         [default: 20000]
     --single-adds N        socket: one-at-a-time adds per round     [default: 1000]
     -p, --parallel P       lifecycle worker slots / baseline threads [default: 8]
     --rounds R             alternating baseline/supervised rounds  [default: 3]
-    --sync full|normal     SQLite synchronous for the supervisor   [default: full]
+    --sync full|normal     SQLite synchronous (lifecycle, replay)  [default: full]
     --latency-samples K    dispatch-latency tasks (added one by one) [default: 200]
     --latency-gap-ms MS    pause between those adds                [default: 5]
     --probe self|sh        latency probe worker: this binary, or sh -c '...date +%s%N...'

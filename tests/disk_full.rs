@@ -2,7 +2,9 @@
 //! `disk_full` and nothing of it is kept, everything else keeps being served, and writes
 //! succeed again once there is room — without a restart.
 //!
-//! The data dir is a real 4 MiB tmpfs filled by a file (mounting needs root, as CI runs).
+//! The data dir is a real 4 MiB tmpfs filled by a file (mounting needs root, as CI runs), in
+//! a mount namespace of the test's own thread: nobody else sees it, and it cannot outlive the
+//! test even if the test process is killed.
 
 #[allow(dead_code)]
 mod common;
@@ -15,7 +17,9 @@ use std::path::{Path, PathBuf};
 
 use common::control_daemon::{Daemon, RawConn, error_code};
 
-/// A small tmpfs mounted at a directory; unmounted on drop (after whatever used it).
+/// A small tmpfs mounted at a directory, in a private mount namespace of the calling thread
+/// (inherited by the processes it starts). On drop: unmounted, and the directory holding the
+/// mount point removed (whatever was cleaned up before could not remove a mount point).
 struct SmallFs {
     at: PathBuf,
 }
@@ -23,6 +27,23 @@ struct SmallFs {
 impl SmallFs {
     fn mount(at: &Path, size: &str) -> SmallFs {
         fs::create_dir_all(at).expect("mount point");
+        // SAFETY: plain syscalls; CLONE_NEWNS applies to this thread only (it implies
+        // CLONE_FS), which is what keeps the mount away from every other test.
+        let private = unsafe {
+            libc::unshare(libc::CLONE_NEWNS) == 0
+                && libc::mount(
+                    c"none".as_ptr(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    std::ptr::null(),
+                ) == 0
+        };
+        assert!(
+            private,
+            "this test needs its own mount namespace (run it as root): {}",
+            std::io::Error::last_os_error()
+        );
         let c = |s: &[u8]| CString::new(s).expect("no NUL");
         let (src, target, fstype, opts) = (
             c(b"tmpfs"),
@@ -57,6 +78,9 @@ impl Drop for SmallFs {
         let target = CString::new(self.at.as_os_str().as_bytes()).expect("no NUL");
         // SAFETY: a valid path string. MNT_DETACH: never fail a test's cleanup on a busy mount.
         unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        if let Some(parent) = self.at.parent() {
+            let _ = fs::remove_dir_all(parent);
+        }
     }
 }
 
@@ -104,7 +128,8 @@ fn titles(c: &mut RawConn) -> Vec<String> {
 fn a_full_disk_refuses_writes_cleanly_and_the_supervisor_recovers() {
     let dir = tempfile::tempdir().expect("temp dir");
     let data = dir.path().join("data");
-    // Declared before the daemon: dropped after it (the supervisor stops, then the unmount).
+    // Declared before the daemon: dropped after it (the supervisor stops, then the unmount and
+    // the removal of what the daemon's temp dir could not remove around the mount point).
     let _fs = SmallFs::mount(&data, "4m");
     let mut d = Daemon::start_in(dir, "", "");
     let mut c = d.raw();
@@ -112,6 +137,10 @@ fn a_full_disk_refuses_writes_cleanly_and_the_supervisor_recovers() {
 
     let r = add(&mut c, 1, "before", "");
     assert_eq!(r["ok"], true, "{r}");
+
+    // The refused write below must need new space, not WAL space SQLite already holds.
+    let wal = fs::metadata(data.join("board.db-wal")).map_or(0, |m| m.len());
+    assert!(wal < 256 * 1024, "the WAL is already {wal} bytes");
 
     let filler = data.join("filler");
     assert!(fill(&filler) > 0, "the filler wrote nothing");

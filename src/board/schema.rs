@@ -105,7 +105,10 @@ const MIGRATIONS: &[&str] = &[
     // strictly increasing and are never reused because the log is append-only: a plain
     // INTEGER PRIMARY KEY takes max(id) + 1, and the newest event is never deleted. (Anything
     // that ever prunes events must keep the newest row, or `events --follow` cursors break.)
-    // The rows are copied with their ids.
+    // The rows are copied with their ids. Should the old counter be ahead of the newest row
+    // (events deleted by hand), an `event_ids_reserved` event takes its value, so no id a
+    // follower has seen is ever handed out again. The copy needs free space about the size of
+    // the event log, once.
     r#"
     CREATE TABLE task_events_v3 (
         id      INTEGER PRIMARY KEY,
@@ -117,6 +120,11 @@ const MIGRATIONS: &[&str] = &[
     );
     INSERT INTO task_events_v3 (id, task_id, run_id, kind, payload, at)
         SELECT id, task_id, run_id, kind, payload, at FROM task_events ORDER BY id;
+    INSERT INTO task_events_v3 (id, kind, payload, at)
+        SELECT seq, 'event_ids_reserved', json_object('through', seq),
+               CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)
+        FROM sqlite_sequence
+        WHERE name = 'task_events' AND seq > (SELECT coalesce(max(id), 0) FROM task_events);
     DROP TABLE task_events;
     ALTER TABLE task_events_v3 RENAME TO task_events;
     CREATE INDEX events_task ON task_events(task_id, id);
@@ -142,6 +150,14 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<(), BoardError> {
         let Some(sql) = MIGRATIONS.get(current as usize) else {
             return Ok(());
         };
+        if current > 0 {
+            // A fresh board is created silently; an upgrade (which may copy a table) is said.
+            tracing::info!(
+                from = current,
+                to = current + 1,
+                "board: migrating the schema"
+            );
+        }
         tx.execute_batch(sql)?;
         tx.pragma_update(None, "user_version", current + 1)?;
         tx.commit()?;
@@ -160,12 +176,8 @@ mod tests {
         rows.collect::<rusqlite::Result<_>>().unwrap()
     }
 
-    /// A v2 board (AUTOINCREMENT event ids) keeps every event and its id through v3, and the
-    /// next event follows the newest one.
-    #[test]
-    fn v3_keeps_event_ids_and_continues_after_the_newest() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut conn = Connection::open(dir.path().join("board.db")).unwrap();
+    fn v2_board(dir: &std::path::Path) -> Connection {
+        let conn = Connection::open(dir.join("board.db")).unwrap();
         for sql in &MIGRATIONS[..2] {
             conn.execute_batch(sql).unwrap();
         }
@@ -177,7 +189,25 @@ mod tests {
             )
             .unwrap();
         }
-        // An id gap (as a rolled-back insert never leaves, but an import could).
+        conn
+    }
+
+    fn next_event_id(conn: &Connection) -> i64 {
+        conn.execute(
+            "INSERT INTO task_events (task_id, kind, at) VALUES (1, 'next', 0)",
+            [],
+        )
+        .unwrap();
+        conn.last_insert_rowid()
+    }
+
+    /// A v2 board (AUTOINCREMENT event ids) keeps every event and its id through v3, and the
+    /// next event follows the newest one.
+    #[test]
+    fn v3_keeps_event_ids_and_continues_after_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = v2_board(dir.path());
+        // An id gap (an import could leave one).
         conn.execute(
             "INSERT INTO task_events (id, task_id, kind, at) VALUES (10, 1, 'archived', 0)",
             [],
@@ -192,12 +222,15 @@ mod tests {
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
         assert_eq!(version, SCHEMA_VERSION);
-        conn.execute(
-            "INSERT INTO task_events (task_id, kind, at) VALUES (1, 'next', 0)",
-            [],
-        )
-        .unwrap();
-        assert_eq!(conn.last_insert_rowid(), 11);
+        let counters: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_sequence WHERE name = 'task_events'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(counters, 0, "no AUTOINCREMENT counter is left");
+        assert_eq!(next_event_id(&conn), 11);
         let sql: String = conn
             .query_row(
                 "SELECT sql FROM sqlite_master WHERE name = 'task_events'",
@@ -218,5 +251,28 @@ mod tests {
             .query_row("PRAGMA integrity_check", [], |r| r.get(0))
             .unwrap();
         assert_eq!(check, "ok");
+    }
+
+    /// Newest events deleted by hand on a v2 board: their ids stay used (a follower may have
+    /// seen them), held by one `event_ids_reserved` event.
+    #[test]
+    fn v3_never_hands_out_an_id_the_old_counter_had_passed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = v2_board(dir.path());
+        conn.execute("DELETE FROM task_events WHERE id = 3", [])
+            .unwrap();
+
+        migrate(&mut conn).unwrap();
+
+        let kinds: Vec<(i64, String)> = events(&conn);
+        assert_eq!(
+            kinds,
+            [
+                (1, "created".to_string()),
+                (2, "claimed".to_string()),
+                (3, "event_ids_reserved".to_string())
+            ]
+        );
+        assert_eq!(next_event_id(&conn), 4);
     }
 }
