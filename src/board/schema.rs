@@ -101,7 +101,7 @@ const MIGRATIONS: &[&str] = &[
         WHERE status = 'ready';
     "#,
     // v3: event ids without AUTOINCREMENT, which cost every event a read and a write of
-    // `sqlite_sequence` (6 % of the board's work per task lifecycle, callgrind). Ids stay
+    // `sqlite_sequence` (about 5 % of the board's work per task lifecycle, callgrind). Ids stay
     // strictly increasing and are never reused because the log is append-only: a plain
     // INTEGER PRIMARY KEY takes max(id) + 1, and the newest event is never deleted. (Anything
     // that ever prunes events must keep the newest row, or `events --follow` cursors break.)
