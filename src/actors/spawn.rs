@@ -173,7 +173,30 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         .try_clone()
         .map_err(|e| format!("cannot duplicate log file handle: {e}"))?;
 
-    let mut cmd = Command::new(program);
+    // A bare name is looked up here, in the PATH the worker will have: given a PATH of its own,
+    // std would fall back from posix_spawn to fork + execvp in the child, and forking the
+    // supervisor (a large, multi-threaded process) made every start of e.g. `sh` 2.5× slower.
+    // A worker that runs as another user keeps execvp's own lookup (its permissions apply).
+    let child_path = spec
+        .env
+        .get("PATH")
+        .map(std::ffi::OsString::from)
+        .or_else(path_with_own_binary)
+        .or_else(|| std::env::var_os("PATH"));
+    let found = if spec.uid.is_none() && spec.gid.is_none() {
+        find_in_path(program, child_path.as_deref(), &spec.cwd)
+    } else {
+        None
+    };
+    let mut cmd = match &found {
+        Some(path) => {
+            let mut c = Command::new(path);
+            // The worker still sees the name it was configured with.
+            c.arg0(program);
+            c
+        }
+        None => Command::new(program),
+    };
     cmd.args(args)
         .current_dir(&spec.cwd)
         .stdin(Stdio::null())
@@ -255,6 +278,28 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         pid,
         pidfd,
         fingerprint,
+    })
+}
+
+/// Where execvp would find `program` in `path` (the worker's PATH; unset means `/bin:/usr/bin`,
+/// as for execvp), for a worker starting in `cwd`: the first regular file this process may
+/// execute. Empty and relative PATH entries are relative to `cwd`. `None` for a name with a
+/// slash (used as is) and for a name found nowhere (the spawn then reports it missing).
+pub fn find_in_path(program: &str, path: Option<&std::ffi::OsStr>, cwd: &Path) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    if program.is_empty() || program.contains('/') {
+        return None;
+    }
+    let path = path.unwrap_or(std::ffi::OsStr::new("/bin:/usr/bin"));
+    // Absolute: the child resolves a relative program path after changing to its cwd.
+    let cwd = std::path::absolute(cwd).ok()?;
+    std::env::split_paths(path).find_map(|dir| {
+        let candidate = cwd.join(dir).join(program);
+        let is_file = fs::metadata(&candidate).is_ok_and(|m| m.is_file());
+        let c = std::ffi::CString::new(candidate.as_os_str().as_bytes()).ok()?;
+        // SAFETY: a valid NUL-terminated path.
+        let executable = is_file && unsafe { libc::access(c.as_ptr(), libc::X_OK) } == 0;
+        executable.then_some(candidate)
     })
 }
 
@@ -439,5 +484,47 @@ mod tests {
             exits_and_is_reaped(&watch),
             "the undelivered child was not killed"
         );
+    }
+
+    #[test]
+    fn find_in_path_follows_execvp() {
+        use std::ffi::OsStr;
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let exe = |p: &Path| {
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(p, "#!/bin/sh\n").unwrap();
+            fs::set_permissions(p, fs::Permissions::from_mode(0o755)).unwrap();
+        };
+        exe(&d.join("b/tool"));
+        exe(&d.join("cwd/rel/tool"));
+        exe(&d.join("cwd/tool"));
+        fs::create_dir_all(d.join("a/tool")).unwrap(); // a directory: passed over
+        fs::create_dir_all(d.join("n")).unwrap();
+        fs::write(d.join("n/tool"), "").unwrap(); // not executable: passed over
+        fs::set_permissions(d.join("n/tool"), fs::Permissions::from_mode(0o644)).unwrap();
+        let cwd = d.join("cwd");
+        let path = |p: &str| Some(OsStr::new(p).to_owned());
+        let find =
+            |name: &str, p: Option<std::ffi::OsString>| find_in_path(name, p.as_deref(), &cwd);
+
+        let abs = format!("{0}/a:{0}/n:{0}/b", d.display());
+        assert_eq!(find("tool", path(&abs)), Some(d.join("b/tool")));
+        // Relative and empty entries are relative to the worker's cwd.
+        assert_eq!(find("tool", path("rel")), Some(cwd.join("rel/tool")));
+        assert_eq!(
+            find("tool", path(&format!(":{abs}"))),
+            Some(cwd.join("tool"))
+        );
+        // Names with a slash are used as they are; names found nowhere are left to the spawn.
+        assert_eq!(find("./tool", path(&abs)), None);
+        assert_eq!(find("missing", path(&abs)), None);
+        assert_eq!(
+            find("tool", path(&format!("{0}/a:{0}/n", d.display()))),
+            None
+        );
+        // No PATH at all: execvp's default.
+        assert_eq!(find("sh", None), Some(PathBuf::from("/bin/sh")));
     }
 }
