@@ -1,7 +1,7 @@
 //! Performance benchmarks of runwarden.
 //!
 //! ```text
-//! cargo run --release --example bench -- [lifecycle|store|socket|replay|all] [options]   (--help lists them)
+//! cargo run --release --example bench -- [lifecycle|store|socket|serve|replay|all] [options]   (--help lists them)
 //! ```
 //!
 //! - `lifecycle`: N `/bin/true` tasks through the running actor system (a burst of N adds,
@@ -11,6 +11,8 @@
 //!   the grace), plus a micro-profile of the per-lifecycle costs.
 //! - `store`: durable event appends per second through the StoreActor (group commit, FULL)
 //!   against one transaction per append on a plain `Board`.
+//! - `serve`: the real `runwarden serve` binary (`cargo build --release` first) with workers
+//!   given as a bare name (`true`) against an absolute path (`/bin/true`).
 //! - `replay`: the board's work of N lifecycles on one thread, no supervisor (steady, and
 //!   deterministic under callgrind): the board's share of a lifecycle, for comparing changes.
 //!
@@ -21,6 +23,8 @@
 mod lifecycle;
 #[path = "bench/replay.rs"]
 mod replay;
+#[path = "bench/serve.rs"]
+mod serve;
 #[path = "bench/socket.rs"]
 mod socket;
 #[path = "bench/store.rs"]
@@ -48,6 +52,7 @@ enum Scenario {
     Store,
     Socket,
     Replay,
+    Serve,
     All,
 }
 
@@ -94,14 +99,16 @@ SCENARIOS:
                 then dispatch latency, reap precision and a per-lifecycle micro-profile
     store       durable event appends/s through the StoreActor (group commit) vs one tx each
     socket      task adds over the control socket (pipelined, one at a time) vs in-process
+    serve       the runwarden binary (cargo build --release first): workers given as `true`
+                (looked up in PATH) vs `/bin/true`, --tasks each
     replay      the board work of --tasks lifecycles on one thread (no supervisor, no
                 processes): µs per lifecycle; run it under callgrind to count instructions
     all         lifecycle, store and socket
 
 OPTIONS:
-    --n N                  N of the chosen scenario (lifecycle, replay: tasks; store: events;
+    --n N                  N of the chosen scenario (lifecycle, serve, replay: tasks; store: events;
                            socket: pipelined adds)
-    --tasks N              lifecycle / replay tasks per round      [default: 2000]
+    --tasks N              lifecycle / serve / replay tasks per round [default: 2000]
     --events N             store events                            [default: 100000]
     --adds N               socket: pipelined adds per round         [default: 20000]
     --single-adds N        socket: one-at-a-time adds per round     [default: 1000]
@@ -127,6 +134,7 @@ TARGETS:
     lifecycle: supervised lifecycles/s >= 0.7 x plain spawns/s (ratio of medians)
     store:     >= 50000 durable event writes/s with group commit (synchronous = FULL)
     socket:    >= 20000 task adds/s from one pipelining client
+    serve:     workers named `true` >= 0.9 x the rate of `/bin/true` (ratio of medians)
 ";
 
 fn parse_args() -> Result<Option<Opts>, String> {
@@ -173,13 +181,14 @@ fn parse_args() -> Result<Option<Opts>, String> {
         };
         match key.as_str() {
             "-h" | "--help" => return Ok(None),
-            "lifecycle" | "store" | "socket" | "replay" | "all" if !scenario_seen => {
+            "lifecycle" | "store" | "socket" | "replay" | "serve" | "all" if !scenario_seen => {
                 scenario_seen = true;
                 o.scenario = match key.as_str() {
                     "lifecycle" => Scenario::Lifecycle,
                     "store" => Scenario::Store,
                     "socket" => Scenario::Socket,
                     "replay" => Scenario::Replay,
+                    "serve" => Scenario::Serve,
                     _ => Scenario::All,
                 };
             }
@@ -222,7 +231,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
     }
     if let Some(n) = n {
         match o.scenario {
-            Scenario::Lifecycle | Scenario::Replay => o.tasks = n,
+            Scenario::Lifecycle | Scenario::Replay | Scenario::Serve => o.tasks = n,
             Scenario::Store => o.events = n,
             Scenario::Socket => o.adds = n,
             Scenario::All => {
@@ -276,6 +285,13 @@ fn main() -> ExitCode {
         if let Err(e) = socket::run(&opts, dir.path(), &mut summary) {
             eprintln!("bench: socket failed: {e}");
             summary.line(format!("socket: ERROR {e}"));
+            failed = true;
+        }
+    }
+    if opts.scenario == Scenario::Serve {
+        if let Err(e) = serve::run(&opts, dir.path(), &mut summary) {
+            eprintln!("bench: serve failed: {e}");
+            summary.line(format!("serve: ERROR {e}"));
             failed = true;
         }
     }
