@@ -1,7 +1,8 @@
 //! A command given as a bare name is looked up in the PATH the worker gets (the assignee's
 //! `env` PATH wins), as execvp would: the first executable regular file, skipping entries that
 //! are not; the worker sees the configured name as its argv[0]. A name found nowhere (or only
-//! as a non-executable file) fails the spawn, naming it.
+//! as a non-executable file) fails the spawn, naming it; so does a script without a `#!` line
+//! (it is not handed to /bin/sh), naming where it was found.
 
 #[allow(dead_code)]
 mod common;
@@ -50,6 +51,16 @@ fn a_bare_name_runs_the_first_executable_on_the_workers_path() {
         .insert("PATH".into(), shadow.display().to_string());
     hidden.max_retries = Some(0);
     config.assignees.insert("hidden".into(), hidden);
+    let script = td.path().join("scripts");
+    fs::create_dir_all(&script).expect("scripts dir");
+    fs::write(script.join(TOOL), "exit 0\n").expect("script");
+    fs::set_permissions(script.join(TOOL), fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut bare_script = AssigneeConfig::new([TOOL]);
+    bare_script
+        .env
+        .insert("PATH".into(), script.display().to_string());
+    bare_script.max_retries = Some(0);
+    config.assignees.insert("no_shebang".into(), bare_script);
     let sup = Supervisor::start(config).expect("start the supervisor");
 
     let id = sup
@@ -64,8 +75,24 @@ fn a_bare_name_runs_the_first_executable_on_the_workers_path() {
         "the worker sees the configured name, not the path it was found at"
     );
 
+    let error = spawn_error(&sup, "hidden");
+    assert!(error.contains(TOOL), "names the program: {error:?}");
+    assert!(
+        error.contains("Permission denied"),
+        "the only candidate is not executable: {error:?}"
+    );
+
+    let error = spawn_error(&sup, "no_shebang");
+    let at = script.join(TOOL).display().to_string();
+    assert!(error.contains(&at), "names where it was found: {error:?}");
+    assert!(error.contains("Exec format error"), "{error:?}");
+    sup.shutdown();
+}
+
+/// Runs one task of `assignee` (no retries), which must fail to spawn; returns the run's error.
+fn spawn_error(sup: &runwarden::SupervisorHandle, assignee: &str) -> String {
     let id = sup
-        .add_task(NewTask::titled("hidden").for_assignee("hidden"))
+        .add_task(NewTask::titled(assignee).for_assignee(assignee))
         .expect("add task")
         .id;
     let task = sup.wait_for(id, SETTLE).expect("the task finishes");
@@ -73,11 +100,5 @@ fn a_bare_name_runs_the_first_executable_on_the_workers_path() {
     assert_eq!(task.status, TaskStatus::Blocked, "{detail:?}");
     let run = &detail.runs[0];
     assert_eq!(run.outcome, Some(RunOutcome::SpawnFailed), "{run:?}");
-    let error = run.error.as_deref().unwrap_or_default();
-    assert!(error.contains(TOOL), "names the program: {error:?}");
-    assert!(
-        error.contains("Permission denied"),
-        "the only candidate is not executable: {error:?}"
-    );
-    sup.shutdown();
+    run.error.clone().unwrap_or_default()
 }

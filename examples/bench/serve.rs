@@ -75,6 +75,15 @@ fn serve_binary() -> Result<PathBuf, String> {
         .map(|d| d.join("runwarden"))
         .ok_or("cannot locate the target directory")?;
     if bin.is_file() {
+        let modified = |p: &Path| fs::metadata(p).and_then(|m| m.modified()).ok();
+        if let (Some(b), Some(e)) = (modified(&bin), modified(&exe))
+            && b < e
+        {
+            println!(
+                "serve: warning: {} is older than this bench; `cargo build --release` to measure the current code",
+                bin.display()
+            );
+        }
         Ok(bin)
     } else {
         Err(format!(
@@ -84,16 +93,16 @@ fn serve_binary() -> Result<PathBuf, String> {
     }
 }
 
-/// A `runwarden serve` child, killed (SIGKILL, by pid, with its group) and reaped on drop
-/// unless it already exited.
+/// A `runwarden serve` child, killed (SIGKILL, by pid) and reaped on drop unless it already
+/// exited — only on an error path: a round ends with a graceful shutdown, which ends the
+/// workers (`shutdown = "terminate"`; each leads its own group, out of reach of this kill).
 struct Serve(Child);
 
 impl Drop for Serve {
     fn drop(&mut self) {
         if let Ok(None) = self.0.try_wait() {
-            // Its own process group (see `one_round`): the supervisor and any worker it left.
-            // SAFETY: a plain kill(2) of the group this child leads.
-            unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
+            // SAFETY: a plain kill(2) of our own, unreaped child (its pid cannot be reused).
+            unsafe { libc::kill(self.0.id() as i32, libc::SIGKILL) };
             let _ = self.0.wait();
         }
     }

@@ -176,17 +176,22 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     // A bare name is looked up here, in the PATH the worker will have: given a PATH of its own,
     // std would fall back from posix_spawn to fork + execvp in the child, and forking the
     // supervisor (a large, multi-threaded process) made every start of e.g. `sh` 2.5× slower.
-    // A worker that runs as another user keeps execvp's own lookup (its permissions apply).
-    let child_path = spec
-        .env
-        .get("PATH")
-        .map(std::ffi::OsString::from)
-        .or_else(path_with_own_binary)
-        .or_else(|| std::env::var_os("PATH"));
-    let found = if spec.uid.is_none() && spec.gid.is_none() {
-        find_in_path(program, child_path.as_deref(), &spec.cwd)
-    } else {
+    // Not when the start forks anyway — another user (whose permissions the lookup must
+    // use), or a umask or rlimits to set in the child: execvp's own lookup stays.
+    let forks_anyway = spec.uid.is_some()
+        || spec.gid.is_some()
+        || spec.umask.is_some()
+        || !spec.rlimits.is_empty();
+    let found = if forks_anyway {
         None
+    } else {
+        let child_path = spec
+            .env
+            .get("PATH")
+            .map(std::ffi::OsString::from)
+            .or_else(path_with_own_binary)
+            .or_else(|| std::env::var_os("PATH"));
+        find_in_path(program, child_path.as_deref(), &spec.cwd)
     };
     let mut cmd = match &found {
         Some(path) => {
@@ -254,8 +259,12 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         // cwd fails here with a bare EACCES that otherwise reads like `program` is the problem.
         .map_err(|e| {
             let who = spec.uid.map(|u| format!(" as uid {u}")).unwrap_or_default();
+            let at = found
+                .as_ref()
+                .map(|p| format!(" ({})", p.display()))
+                .unwrap_or_default();
             format!(
-                "cannot start `{program}`{who} in {}: {e}",
+                "cannot start `{program}`{at}{who} in {}: {e}",
                 spec.cwd.display()
             )
         })?;
@@ -281,10 +290,12 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     })
 }
 
-/// Where execvp would find `program` in `path` (the worker's PATH; unset means `/bin:/usr/bin`,
-/// as for execvp), for a worker starting in `cwd`: the first regular file this process may
-/// execute. Empty and relative PATH entries are relative to `cwd`. `None` for a name with a
-/// slash (used as is) and for a name found nowhere (the spawn then reports it missing).
+/// Where `program` is in `path` (the worker's PATH; unset means `/bin:/usr/bin`, as for
+/// execvp), for a worker starting in `cwd`: the first regular file this process may execute
+/// (effective ids, as exec checks). Empty and relative PATH entries are relative to `cwd`.
+/// `None` for a name with a slash (used as is) and for a name found nowhere (the spawn then
+/// reports it missing). Unlike execvp, a candidate that then fails to exec is the answer: the
+/// search does not go on, and a file without a `#!` line is not handed to `/bin/sh`.
 pub fn find_in_path(program: &str, path: Option<&std::ffi::OsStr>, cwd: &Path) -> Option<PathBuf> {
     use std::os::unix::ffi::OsStrExt;
     if program.is_empty() || program.contains('/') {
@@ -298,7 +309,9 @@ pub fn find_in_path(program: &str, path: Option<&std::ffi::OsStr>, cwd: &Path) -
         let is_file = fs::metadata(&candidate).is_ok_and(|m| m.is_file());
         let c = std::ffi::CString::new(candidate.as_os_str().as_bytes()).ok()?;
         // SAFETY: a valid NUL-terminated path.
-        let executable = is_file && unsafe { libc::access(c.as_ptr(), libc::X_OK) } == 0;
+        let executable = is_file
+            && unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), libc::X_OK, libc::AT_EACCESS) }
+                == 0;
         executable.then_some(candidate)
     })
 }
