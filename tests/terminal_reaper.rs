@@ -26,11 +26,16 @@ use runwarden::board::{
     reap_terminal_workers,
 };
 use runwarden::process::{
-    DeadReason, Fingerprint, Liveness, PidfdSignaller, Signal, group_alive, group_members,
-    liveness, read_stat,
+    DeadReason, Fingerprint, Liveness, PidfdSignaller, Signal, Signaller, group_alive,
+    group_members, liveness, read_stat,
 };
 
 const GRACE_MS: i64 = GRACE.as_millis() as i64;
+
+/// One terminal-reaper sweep at `now` with the tests' grace and kill timeout.
+fn sweep(board: &mut board::Board, signaller: &dyn Signaller, now: i64) -> Vec<i64> {
+    reap_terminal_workers(board, signaller, now, GRACE, KILL_TIMEOUT).expect("the sweep runs")
+}
 
 #[test]
 fn worker_alive_after_completion_is_reaped_by_a_dispatch_pass() {
@@ -96,14 +101,11 @@ fn worker_alive_after_completion_is_reaped_by_a_dispatch_pass() {
     assert_eq!(reaped[0].payload["ended_by"], "sigterm");
 
     // Cleared evidence is not rescanned: a second pass has nothing to do.
-    let again = reap_terminal_workers(
+    let again = sweep(
         &mut tb.board,
         &RecordingSignaller::default(),
         ended_at + 700_000,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    );
     assert_eq!(again, Vec::<i64>::new());
 }
 
@@ -131,14 +133,7 @@ fn recycled_fingerprint_and_legacy_row_are_never_signalled() {
         completed_with_worker(&mut tb.board, "legacy", legacy.pid(), None, ended_at);
 
     let signaller = RecordingSignaller::default();
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + 600_000,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let reaped = sweep(&mut tb.board, &signaller, ended_at + 600_000);
 
     assert_eq!(reaped, Vec::<i64>::new());
     assert_eq!(signaller.sent(), vec![], "nothing may be signalled");
@@ -171,14 +166,7 @@ fn recycled_fingerprint_and_legacy_row_are_never_signalled() {
     );
 
     // Still true on the next sweep.
-    let again = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + 700_000,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let again = sweep(&mut tb.board, &signaller, ended_at + 700_000);
     assert_eq!(again, Vec::<i64>::new());
     assert_eq!(signaller.sent(), vec![]);
     assert!(still_running(&mut stranger) && still_running(&mut legacy));
@@ -200,14 +188,7 @@ fn exited_worker_is_cleared_as_gone_without_a_signal() {
     assert!(matches!(liveness(pid, &fp), Liveness::Dead(_)));
 
     let signaller = RecordingSignaller::default();
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + 600_000,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let reaped = sweep(&mut tb.board, &signaller, ended_at + 600_000);
 
     assert_eq!(reaped, Vec::<i64>::new(), "nothing was ended by the reaper");
     assert_eq!(signaller.sent(), vec![]);
@@ -231,36 +212,21 @@ fn fresh_terminal_run_is_left_alone_until_its_grace_has_passed() {
     let signaller = RecordingSignaller::default();
 
     // Just closed: the worker may still be finishing its last turn.
-    let first =
-        reap_terminal_workers(&mut tb.board, &signaller, ended_at, GRACE, KILL_TIMEOUT).unwrap();
+    let first = sweep(&mut tb.board, &signaller, ended_at);
     assert_eq!(first, Vec::<i64>::new());
     assert_eq!(signaller.sent(), vec![]);
     assert!(still_running(&mut worker));
     assert_evidence_kept(&run(&mut tb.board, run_id), pid, Some(&fp));
 
     // One millisecond short of the grace: still left alone.
-    let almost = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + GRACE_MS - 1,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let almost = sweep(&mut tb.board, &signaller, ended_at + GRACE_MS - 1);
     assert_eq!(almost, Vec::<i64>::new());
     assert_eq!(signaller.sent(), vec![]);
     assert!(still_running(&mut worker));
     assert_evidence_kept(&run(&mut tb.board, run_id), pid, Some(&fp));
 
     // Grace passed: ended, through exactly one SIGTERM to the recorded pid.
-    let second = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + GRACE_MS,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let second = sweep(&mut tb.board, &signaller, ended_at + GRACE_MS);
     assert_eq!(second, vec![task]);
     assert_eq!(signaller.sent(), vec![(pid, Signal::SIGTERM)]);
     assert!(
@@ -297,14 +263,7 @@ fn one_failing_row_does_not_abort_the_sweep() {
     );
 
     let signaller = FailingFor::new(broken.pid());
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + 600_000,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let reaped = sweep(&mut tb.board, &signaller, ended_at + 600_000);
 
     assert_eq!(reaped, vec![healthy_task]);
     assert_eq!(
@@ -326,14 +285,7 @@ fn one_failing_row_does_not_abort_the_sweep() {
     assert_no_reaper_event(&mut tb.board, broken_task, "the failing row is kept");
 
     // A later sweep with a working signaller ends it.
-    let retried = reap_terminal_workers(
-        &mut tb.board,
-        &PidfdSignaller,
-        ended_at + 660_000,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let retried = sweep(&mut tb.board, &PidfdSignaller, ended_at + 660_000);
     assert_eq!(retried, vec![broken_task]);
     assert!(
         exits_within_settle(&mut broken),
@@ -422,14 +374,7 @@ fn reaper_ends_the_workers_whole_process_group() {
     let (task, run_id) = completed_with_worker(&mut tb.board, "group", pgid, Some(&fp), ended_at);
 
     let signaller = RecordingSignaller::default();
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + 600_000,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let reaped = sweep(&mut tb.board, &signaller, ended_at + 600_000);
 
     assert_eq!(reaped, vec![task]);
     assert_eq!(signaller.sent(), vec![(pgid, Signal::SIGTERM)]);
@@ -509,14 +454,7 @@ fn zombie_leader_with_live_members_is_reaped_not_forgotten() {
         completed_with_worker(&mut tb.board, "zombie leader", pgid, Some(&fp), ended_at);
 
     let signaller = RecordingSignaller::default();
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + 600_000,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let reaped = sweep(&mut tb.board, &signaller, ended_at + 600_000);
 
     let group_left = wait_until(SETTLE, || !group_alive(pgid));
     let kinds_now = kinds(&mut tb.board, task);
