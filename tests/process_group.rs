@@ -9,9 +9,9 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::groups::{SETTLE, assert_all_gone, members, spawn_group};
+use common::groups::{self, SETTLE, assert_all_gone, members, spawn_group};
 use common::proc_guard::{ChildGuard, wait_until};
 use runwarden::process::{
     DeadReason, Ended, Fingerprint, Liveness, Pid, PidFd, PidfdSignaller, ProcessError, Sent,
@@ -42,18 +42,7 @@ fn sigterm_ends_the_leader_and_both_sleeps() {
 
 #[test]
 fn a_group_that_ignores_sigterm_gets_sigkill() {
-    let leader = spawn_group(r#"trap "" TERM; sleep 300 & sleep 300 & wait"#);
-    let pid = leader.pid();
-    let fp = fingerprint(pid).unwrap();
-    let procs = members(pid, 3);
-
-    let kill_timeout = Duration::from_millis(300);
-    let started = Instant::now();
-    let ended = terminate(&PidfdSignaller, pid, &fp, kill_timeout).unwrap();
-
-    assert_eq!(ended, Ended::Sigkill);
-    assert!(started.elapsed() >= kill_timeout);
-    assert_all_gone(pid, &procs);
+    groups::sigterm_ignored_gets_sigkill(spawn_group);
 }
 
 #[test]

@@ -3,10 +3,11 @@
 
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use runwarden::process::{
-    Fingerprint, Liveness, Pid, fingerprint, group_alive, group_members, liveness,
+    Ended, Fingerprint, Liveness, Pid, PidfdSignaller, fingerprint, group_alive, group_members,
+    liveness, terminate,
 };
 
 use super::proc_guard::{ChildGuard, wait_until};
@@ -53,4 +54,21 @@ pub fn assert_all_gone(pgid: Pid, procs: &[(Pid, Fingerprint)]) {
             liveness(*pid, fp)
         );
     }
+}
+
+/// A group whose shell ignores SIGTERM (with two sleeps) is ended by SIGKILL after the kill
+/// timeout, every member gone. `spawn` starts the group (with or without the fallback forced).
+pub fn sigterm_ignored_gets_sigkill(spawn: fn(&str) -> ChildGuard) {
+    let leader = spawn(r#"trap "" TERM; sleep 300 & sleep 300 & wait"#);
+    let pid = leader.pid();
+    let fp = fingerprint(pid).unwrap();
+    let procs = members(pid, 3);
+
+    let kill_timeout = Duration::from_millis(300);
+    let started = Instant::now();
+    let ended = terminate(&PidfdSignaller, pid, &fp, kill_timeout).unwrap();
+
+    assert_eq!(ended, Ended::Sigkill);
+    assert!(started.elapsed() >= kill_timeout);
+    assert_all_gone(pid, &procs);
 }
