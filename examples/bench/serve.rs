@@ -13,10 +13,9 @@ use std::time::{Duration, Instant};
 
 use runwarden::board::NewTask;
 use runwarden::control::client::Client;
-use runwarden::control::protocol::{Request, Response};
 
 use crate::Opts;
-use crate::util::{Summary, median};
+use crate::util::{Summary, add_pipelined, median};
 
 /// Bare-name lifecycles/s over absolute-path lifecycles/s.
 const TARGET_RATIO: f64 = 0.9;
@@ -142,21 +141,9 @@ fn one_round(
     let socket = data.join("data").join("control.sock");
     let mut client = connect(&socket, &mut serve)?;
     let start = Instant::now();
-    let (mut sent, mut acked) = (0usize, 0usize);
-    while acked < n {
-        while sent < n && sent - acked < WINDOW {
-            let task = NewTask::titled(format!("t{sent}")).for_assignee("w");
-            client
-                .send(&Request::AddTask(task))
-                .map_err(|e| e.to_string())?;
-            sent += 1;
-        }
-        client.flush().map_err(|e| e.to_string())?;
-        match client.recv().map_err(|e| e.to_string())? {
-            Response::Ok { .. } => acked += 1,
-            other => return Err(format!("add refused: {other:?}")),
-        }
-    }
+    add_pipelined(&mut client, n, WINDOW, |i| {
+        NewTask::titled(format!("t{i}")).for_assignee("w")
+    })?;
     let deadline = start + Duration::from_secs(60) + Duration::from_millis(20 * n as u64);
     loop {
         let status = client.status().map_err(|e| e.to_string())?;

@@ -9,10 +9,9 @@ use runwarden::Supervisor;
 use runwarden::board::NewTask;
 use runwarden::config::Config;
 use runwarden::control::client::Client;
-use runwarden::control::protocol::Request;
 
 use crate::Opts;
-use crate::util::Summary;
+use crate::util::{Summary, add_pipelined};
 
 const TARGET: f64 = 20_000.0;
 /// Requests in flight on the pipelining connection.
@@ -40,21 +39,7 @@ pub fn run(opts: &Opts, dir: &Path, summary: &mut Summary) -> Result<(), String>
         let mut client = Client::connect(&socket).map_err(|e| e.to_string())?;
         client.hello().map_err(|e| e.to_string())?;
         let start = Instant::now();
-        let (mut sent, mut done) = (0usize, 0usize);
-        while done < n {
-            while sent < n && sent - done < WINDOW {
-                client
-                    .send(&Request::AddTask(task(sent)))
-                    .map_err(|e| e.to_string())?;
-                sent += 1;
-            }
-            client.flush().map_err(|e| e.to_string())?;
-            let resp = client.recv().map_err(|e| e.to_string())?;
-            if !matches!(resp, runwarden::control::protocol::Response::Ok { .. }) {
-                return Err(format!("add refused: {resp:?}"));
-            }
-            done += 1;
-        }
+        add_pipelined(&mut client, n, WINDOW, task)?;
         let rate = n as f64 / start.elapsed().as_secs_f64();
         println!("round {round}: socket pipelined  {rate:>8.0} adds/s ({n} adds, window {WINDOW})");
         pipelined.push(rate);

@@ -201,3 +201,29 @@ pub fn cpu_per_run(before: (f64, f64), after: (f64, f64), runs: usize) -> (f64, 
     let n = runs.max(1) as f64;
     ((after.0 - before.0) / n, (after.1 - before.1) / n)
 }
+
+/// Adds `n` tasks (`task(i)`) over `client`, keeping `window` requests in flight; fails on the
+/// first refusal.
+pub fn add_pipelined(
+    client: &mut runwarden::control::client::Client,
+    n: usize,
+    window: usize,
+    task: impl Fn(usize) -> runwarden::board::NewTask,
+) -> Result<(), String> {
+    use runwarden::control::protocol::{Request, Response};
+    let (mut sent, mut acked) = (0usize, 0usize);
+    while acked < n {
+        while sent < n && sent - acked < window {
+            client
+                .send(&Request::AddTask(task(sent)))
+                .map_err(|e| e.to_string())?;
+            sent += 1;
+        }
+        client.flush().map_err(|e| e.to_string())?;
+        match client.recv().map_err(|e| e.to_string())? {
+            Response::Ok { .. } => acked += 1,
+            other => return Err(format!("add refused: {other:?}")),
+        }
+    }
+    Ok(())
+}

@@ -182,16 +182,22 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         || spec.gid.is_some()
         || spec.umask.is_some()
         || !spec.rlimits.is_empty();
+    let own_path = path_with_own_binary();
     let found = if forks_anyway {
         None
     } else {
-        let child_path = spec
-            .env
-            .get("PATH")
-            .map(std::ffi::OsString::from)
-            .or_else(path_with_own_binary)
-            .or_else(|| std::env::var_os("PATH"));
-        find_in_path(program, child_path.as_deref(), &spec.cwd)
+        // The PATH the worker gets: the assignee's, else the one set below, else ours as it is
+        // now (std hands the child the current environment).
+        let inherited;
+        let worker_path = match (spec.env.get("PATH"), own_path) {
+            (Some(p), _) => Some(std::ffi::OsStr::new(p)),
+            (None, Some(p)) => Some(p),
+            (None, None) => {
+                inherited = std::env::var_os("PATH");
+                inherited.as_deref()
+            }
+        };
+        find_in_path(program, worker_path, &spec.cwd)
     };
     let mut cmd = match &found {
         Some(path) => {
@@ -212,7 +218,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     for key in inherited_runwarden_vars() {
         cmd.env_remove(key);
     }
-    if let Some(path) = path_with_own_binary() {
+    if let Some(path) = own_path {
         cmd.env("PATH", path);
     }
     cmd.env("RUNWARDEN_SOCKET", &spec.socket)
@@ -383,10 +389,10 @@ pub fn log_tail(path: &Path, n: u64) -> String {
 /// PATH with the directory of the running `runwarden` binary first, so `runwarden complete`
 /// works inside a worker of `cargo run -- serve`. Embedding programs are not named runwarden
 /// and leave PATH alone.
-fn path_with_own_binary() -> Option<std::ffi::OsString> {
+fn path_with_own_binary() -> Option<&'static std::ffi::OsStr> {
     // Computed once: the binary and the supervisor's PATH do not change while it runs.
     static PATH: OnceLock<Option<std::ffi::OsString>> = OnceLock::new();
-    PATH.get_or_init(compute_path_with_own_binary).clone()
+    PATH.get_or_init(compute_path_with_own_binary).as_deref()
 }
 
 fn compute_path_with_own_binary() -> Option<std::ffi::OsString> {

@@ -109,12 +109,8 @@ fn run_vars(env: &[u8]) -> (Option<String>, Option<i64>) {
 /// us (we are a subreaper) after their parent died. Each with the fingerprint from the stat
 /// that found it (read before its environment, so a later `open_verified` against it proves the
 /// environment was this process's), and its run token and run id, if it carries them.
-pub fn live_orphans() -> Vec<Orphan> {
-    live_orphans_among(&super::own_children())
-}
-
-/// [`live_orphans`] over children already scanned by [`super::own_children`].
-pub fn live_orphans_among(children: &[super::ProcStat]) -> Vec<Orphan> {
+/// `children` is one scan of /proc ([`super::own_children`]), shared with the orphan reaper.
+pub fn live_orphans(children: &[super::ProcStat]) -> Vec<Orphan> {
     let Ok(boot_id) = super::boot_id() else {
         return Vec::new();
     };
@@ -145,19 +141,14 @@ pub fn live_orphans_among(children: &[super::ProcStat]) -> Vec<Orphan> {
 /// token the caller cannot vouch for and must never be signalled. Orphans without a run id or
 /// token are left alone. Each is signalled through a pidfd verified against the fingerprint
 /// read before its environment (SIGTERM; SIGKILL after `kill_timeout`). Blocking. Returns the
-/// pids ended.
-pub fn end_stray_orphans(is_stray: &dyn Fn(i64, &str) -> bool, kill_timeout: Duration) -> Vec<Pid> {
-    end_stray_orphans_among(&super::own_children(), is_stray, kill_timeout)
-}
-
-/// [`end_stray_orphans`] over children already scanned by [`super::own_children`].
-pub fn end_stray_orphans_among(
+/// pids ended. `children`: as for [`live_orphans`].
+pub fn end_stray_orphans(
     children: &[super::ProcStat],
     is_stray: &dyn Fn(i64, &str) -> bool,
     kill_timeout: Duration,
 ) -> Vec<Pid> {
     let mut fds = Vec::new();
-    for orphan in live_orphans_among(children) {
+    for orphan in live_orphans(children) {
         let (Some(token), Some(run_id)) = (&orphan.token, orphan.run_id) else {
             continue;
         };

@@ -513,8 +513,7 @@ impl DispatcherActor {
                             .read_blocking(|tx| tx.get_run(run_id))
                             .is_ok_and(|run| run.token == token && !run.is_open())
                 };
-                let ended =
-                    process::descendants::end_stray_orphans_among(&children, &is_stray, kill);
+                let ended = process::descendants::end_stray_orphans(&children, &is_stray, kill);
                 if !ended.is_empty() {
                     tracing::info!(?ended, "ended descendants that outlived their run");
                 }
