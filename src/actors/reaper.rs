@@ -26,7 +26,9 @@ pub struct RunClosed {
     pub run_id: RunId,
     pub task_id: TaskId,
     pub pid: i32,
-    pub fingerprint: Fingerprint,
+    /// `None` only for a worker of ours whose fingerprint could not be read at spawn: ended
+    /// through its WorkerActor's pidfd, never by pid.
+    pub fingerprint: Option<Fingerprint>,
     pub ended_at: Millis,
     /// How long after `ended_at` the worker is ended (zero for forced closes).
     pub grace: Duration,
@@ -83,9 +85,11 @@ impl ReaperActor {
         }
     }
 
-    /// How long a WorkerActor's own kill of its worker is left alone by the sweep.
+    /// How long a WorkerActor's own kill of its worker is left alone by the sweep: longer than
+    /// that kill can take (SIGTERM, kill_timeout, SIGKILL, the wait for the group to be gone),
+    /// or the sweep would start a second kill and record the reap twice.
     fn give_up_after(&self) -> Duration {
-        self.kill_timeout + 2 * self.tick + Duration::from_secs(1)
+        self.kill_timeout + crate::process::AFTER_SIGKILL + 2 * self.tick + Duration::from_secs(1)
     }
 
     /// True while `run_id`'s worker is being ended by its own WorkerActor (see `ending`).
@@ -122,14 +126,23 @@ impl ReaperActor {
             self.terminate_owned(msg.run_id, &worker, reason);
             return;
         }
+        let Some(fingerprint) = msg.fingerprint else {
+            // Its actor is gone and there is no fingerprint: nothing proves who has the pid now.
+            tracing::info!(
+                run_id = msg.run_id,
+                pid = msg.pid,
+                "reaper: a worker without a fingerprint is never signalled by pid"
+            );
+            return;
+        };
         self.reap_external(
             ReapCandidate {
                 run_id: msg.run_id,
                 task_id: msg.task_id,
                 pid: msg.pid,
-                fingerprint: msg.fingerprint,
+                fingerprint,
                 ended_at: msg.ended_at,
-                // The event feed carries no tokens; the board sweep's candidates do.
+                // The event feed carries no tokens; reap_external reads it from the run.
                 token: None,
             },
             ctx,
@@ -146,6 +159,16 @@ impl ReaperActor {
         let kill = self.kill_timeout;
         let run_id = c.run_id;
         async move {
+            let mut c = c;
+            if c.token.is_none() {
+                // The event feed carries no tokens; the run's row does. Without it, descendants
+                // that escaped the group (found by their token) would be missed for good: the
+                // evidence is cleared after this reap, so no sweep comes back to the run. Not
+                // readable now: skipped, and the sweep (whose candidates carry it) retries.
+                let run_id = c.run_id;
+                let run = store.read(move |tx| tx.get_run(run_id)).await.map_err(|e| e.to_string())?;
+                c.token = Some(run.token);
+            }
             let cand = c.clone();
             let verdict = actix_rt::task::spawn_blocking(move || board::reap_one(&cand, &PidfdSignaller, kill))
                 .await

@@ -153,12 +153,16 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         .argv
         .split_first()
         .ok_or_else(|| "the assignee's command is empty".to_string())?;
-    fs::create_dir_all(&spec.cwd).map_err(|e| {
-        format!(
-            "cannot create working directory {}: {e}",
-            spec.cwd.display()
-        )
-    })?;
+    // Only the supervisor's own per-task directory is created; a configured one was checked at
+    // load and is used as it is (if it has gone since, the start fails naming it).
+    if spec.own_cwd {
+        fs::create_dir_all(&spec.cwd).map_err(|e| {
+            format!(
+                "cannot create working directory {}: {e}",
+                spec.cwd.display()
+            )
+        })?;
+    }
     if spec.own_cwd && (spec.uid.is_some() || spec.gid.is_some()) {
         // A worker that runs as another user must be able to work in its own directory.
         std::os::unix::fs::chown(&spec.cwd, spec.uid, spec.gid).map_err(|e| {
@@ -221,12 +225,14 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     if let Some(path) = own_path {
         cmd.env("PATH", path);
     }
-    cmd.env("RUNWARDEN_SOCKET", &spec.socket)
+    // The run's own variables last: nothing in the assignee's table can override them (a
+    // shared token would let one run's end kill another's workers).
+    cmd.envs(&spec.env)
+        .env("RUNWARDEN_SOCKET", &spec.socket)
         .env("RUNWARDEN_TASK_ID", spec.task_id.to_string())
         .env("RUNWARDEN_RUN_ID", spec.run_id.to_string())
         .env("RUNWARDEN_RUN_TOKEN", &spec.token)
-        .env("RUNWARDEN_TASK_TITLE", &spec.title)
-        .envs(&spec.env);
+        .env("RUNWARDEN_TASK_TITLE", &spec.title);
     if let Some(gid) = spec.gid {
         cmd.gid(gid);
     }
@@ -259,7 +265,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     // Registered before anything can reap it (the guard spans fork to registration): the
     // orphan reaper must leave it to its actor. Other spawns proceed meanwhile.
     let owned = process::owned::spawning();
-    let child = cmd
+    let mut child = cmd
         .spawn()
         // The working directory and the user are named: a worker whose user cannot reach its
         // cwd fails here with a bare EACCES that otherwise reads like `program` is the problem.
@@ -279,7 +285,19 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     drop(owned);
     // The child is ours and not yet reaped, so its pid cannot be recycled before these reads:
     // the pidfd and the fingerprint are certainly this process's.
-    let pidfd = PidFd::open(pid).map_err(|e| format!("cannot open pidfd for {pid}: {e}"))?;
+    let pidfd = match PidFd::open(pid) {
+        Ok(fd) => fd,
+        Err(e) => {
+            // Without a pidfd nobody could supervise it (and the run is about to be closed as
+            // spawn_failed and retried): end it and its group now, while it is still our
+            // unreaped child (its pid, and so its group id, cannot name anyone else), and reap it.
+            // SAFETY: kill(2) with our unreaped child's group id.
+            unsafe { libc::kill(-pid, libc::SIGKILL) };
+            let _ = child.wait();
+            process::owned::unregister(pid);
+            return Err(format!("cannot open pidfd for {pid}: {e}"));
+        }
+    };
     let fingerprint = match process::fingerprint(pid) {
         Ok(fp) => Some(fp),
         Err(e) => {

@@ -14,7 +14,7 @@ use super::dispatcher::{ClaimParams, Claimed, DispatcherActor, WorkerFinished};
 use super::outcome::{self, ExitPolicy};
 use super::spawn::{self, SpawnSpec, Spawner};
 use super::store::Store;
-use crate::board::{self, ExitInfo, RunId, RunOutcome, TaskId};
+use crate::board::{self, ExitInfo, RunId, TaskId};
 use crate::process::{self, ExitStatus, Fingerprint, PidFd, descendants};
 
 /// Why a worker is being ended; decides what its exit records.
@@ -78,8 +78,6 @@ pub struct WorkerActor {
     refilled: bool,
     /// Our child's pid is out of the owned-children registry (see `release_pid`).
     pid_released: bool,
-    /// How long a worker whose run closed by its own report may live on.
-    grace: Duration,
     /// A tree-end (terminate_tree) is running; further Terminates are redundant.
     tree_ending: bool,
     /// Clear the run's evidence once the running tree-end finishes.
@@ -132,7 +130,6 @@ impl WorkerActor {
             claim_on_close: None,
             refilled: false,
             pid_released: false,
-            grace: Duration::ZERO,
             tree_ending: false,
             clear_when_ended: false,
             exit_done: false,
@@ -180,12 +177,6 @@ impl WorkerActor {
             });
         }
         self.watch(ctx);
-    }
-
-    /// The reaper's grace, for a run that closes by its own report before its evidence lands.
-    pub fn with_grace(mut self, grace: Duration) -> Self {
-        self.grace = grace;
-        self
     }
 
     /// Lets this worker's exit refill its slot (see [`ClaimParams`]).
@@ -386,7 +377,22 @@ impl WorkerActor {
             }
         }
         .into_actor(self)
-        .then(move |how, act, _| {
+        .then(move |how, act, ctx| {
+            if how.is_none()
+                && let Some(reason) = act.terminating.take()
+                && !act.exit_done
+            {
+                // Not ended, and the run still wants it gone: try again later (nobody else
+                // would for a run still open, e.g. a timeout that could not be recorded). A
+                // Terminate from elsewhere meanwhile is taken, not dropped as one in progress.
+                let retry = act.kill_timeout.max(Duration::from_secs(1));
+                ctx.run_later(retry, move |act, ctx| {
+                    ctx.notify(Terminate {
+                        kill_after: act.kill_timeout,
+                        reason,
+                    })
+                });
+            }
             let clear = act.clear_when_ended && how.is_some();
             let (store, fp) = (act.store.clone(), act.fingerprint.clone());
             async move {
@@ -490,33 +496,16 @@ impl WorkerActor {
             Ok(None) => {}
             // The run closed before its evidence landed: archived or reclaimed between claim
             // and spawn (end it now), or a fast report (end it after the grace, if alive).
-            Ok(Some((outcome, ended_at))) => match act.fingerprint.clone() {
-                // The reaper drives the end (one kill, one record), with the grace it is due.
-                Some(fingerprint) => act.dispatcher.do_send(super::dispatcher::EvidenceAfterClose {
-                    run_id: act.run_id(),
-                    task_id: act.task_id(),
-                    pid,
-                    fingerprint,
-                    outcome,
-                    ended_at,
-                }),
-                // Without a fingerprint the reaper would never touch it: end it ourselves.
-                None => {
-                    let forced = !matches!(outcome, RunOutcome::Completed | RunOutcome::Blocked);
-                    let delay = if forced {
-                        Duration::ZERO
-                    } else {
-                        let due = ended_at + act.grace.as_millis() as i64;
-                        Duration::from_millis(due.saturating_sub(board::now_millis()).max(0) as u64)
-                    };
-                    ctx.run_later(delay, move |act, ctx| {
-                        ctx.notify(Terminate {
-                            kill_after: act.kill_timeout,
-                            reason: if forced { TerminateReason::RunClosed } else { TerminateReason::TerminalReap },
-                        })
-                    });
-                }
-            },
+            // The reaper drives the end (one kill, one record), with the grace it is due — through
+            // this actor when the worker has no fingerprint to be signalled by.
+            Ok(Some((outcome, ended_at))) => act.dispatcher.do_send(super::dispatcher::EvidenceAfterClose {
+                run_id: act.run_id(),
+                task_id: act.task_id(),
+                pid,
+                fingerprint: act.fingerprint.clone(),
+                outcome,
+                ended_at,
+            }),
             Err(e) if !act.exit_recorded => {
                 // Not recorded means not reachable after a restart: do not keep it running.
                 tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record pid; ending it");

@@ -81,16 +81,34 @@ pub(crate) fn verdict(stat: &ProcStat, expected: &Fingerprint) -> Liveness {
 }
 
 /// Group liveness: true while any process other than a zombie has pgrp == pgid (scan
-/// /proc/*/stat; skip unreadable entries).
+/// /proc/*/stat; entries that vanish mid-scan are skipped).
 ///
-/// If /proc cannot be listed at all the answer is true: an empty group must be proven, since
-/// "gone" ends the waiting and the escalation to SIGKILL.
+/// If /proc cannot be listed at all, or an entry is listed but its stat cannot be read (it
+/// could be a member), the answer is true: an empty group must be proven, since "gone" ends
+/// the waiting and the escalation to SIGKILL.
 pub fn group_alive(pgid: Pid) -> bool {
     if !names_a_group(pgid) {
         return false;
     }
-    // Short-circuits on the first live member.
-    group_scan(pgid).is_none_or(|mut members| members.next().is_some())
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    let mut unreadable = false;
+    for entry in dir {
+        let Some(pid) = entry
+            .ok()
+            .and_then(|e| e.file_name().to_str()?.parse::<Pid>().ok())
+        else {
+            continue;
+        };
+        match read_stat(pid) {
+            // Short-circuits on the first live member.
+            Ok(stat) if stat.pgrp == pgid && !stat.is_zombie() => return true,
+            Ok(_) | Err(ProcessError::NoSuchProcess { .. }) => {}
+            Err(_) => unreadable = true,
+        }
+    }
+    unreadable
 }
 
 /// All live (non-zombie) pids in process group pgid (empty if /proc cannot be listed).

@@ -43,6 +43,7 @@ pub use fingerprint::{Fingerprint, boot_id, fingerprint};
 pub use group_fallback::force_group_signal_fallback;
 pub use liveness::{DeadReason, Liveness, group_alive, group_members, liveness};
 pub use pidfd::{ExitStatus, PidFd, Verified, open_verified};
+pub(crate) use signal::AFTER_SIGKILL;
 pub use signal::{
     Ended, PidfdSignaller, Sent, Signaller, deadline_after, terminate, terminate_group,
 };
@@ -82,6 +83,16 @@ pub enum ProcessError {
         pid: Option<Pid>,
         /// What was wrong with the text.
         reason: String,
+    },
+    /// SIGKILL was sent but the process (or a member of its group) was still there after
+    /// `after` — e.g. in uninterruptible sleep. Not "ended": its run keeps its evidence (and
+    /// its task stays unclaimable) until a later attempt proves it gone.
+    #[error("pid {pid} (or its group) outlived SIGKILL for {after:?}")]
+    SurvivedSigkill {
+        /// The pid (or group leader's pid) that was killed.
+        pid: Pid,
+        /// How long it was waited for.
+        after: std::time::Duration,
     },
     /// A system-wide operation failed (reading the boot id, becoming a subreaper).
     #[error("{what} failed: {source}")]

@@ -36,7 +36,9 @@ pub enum ExitStatus {
 }
 
 impl PidFd {
-    /// `pidfd_open(pid, 0)`; ESRCH (no such process) is [`ProcessError::NoSuchProcess`].
+    /// `pidfd_open(pid, 0)`; ESRCH (no such process), and EINVAL or ENOENT for a pid that names
+    /// no process (a thread's id, a reaped leader's group id), are
+    /// [`ProcessError::NoSuchProcess`].
     ///
     /// The fd is close-on-exec (the kernel always sets it), so workers never inherit it.
     pub fn open(pid: Pid) -> Result<PidFd, ProcessError> {
@@ -46,8 +48,17 @@ impl PidFd {
             what: "pidfd_open",
             source: io::Error::from_raw_os_error(libc::EINVAL),
         })?;
-        let fd = pidfd_open(raw, PidfdFlags::empty())
-            .map_err(|errno| ProcessError::os(pid, "pidfd_open", errno.into()))?;
+        let fd = pidfd_open(raw, PidfdFlags::empty()).map_err(|errno| {
+            // With a valid pid and no flags, EINVAL (ENOENT on newer kernels) means the number
+            // names no process: it is held only as a thread's id, or as the id of a group whose
+            // leader has been reaped. Either way the process it named is gone — an error here
+            // would leave its run undecided (and its evidence uncleared) for ever.
+            if errno == rustix::io::Errno::INVAL || errno == rustix::io::Errno::NOENT {
+                ProcessError::NoSuchProcess { pid }
+            } else {
+                ProcessError::os(pid, "pidfd_open", errno.into())
+            }
+        })?;
         Ok(PidFd { fd, pid })
     }
 
@@ -298,6 +309,31 @@ mod tests {
         assert!(PidFd::open(1 << 23).unwrap_err().is_no_such_process());
         assert!(!PidFd::open(0).unwrap_err().is_no_such_process());
         assert!(!PidFd::open(-1).unwrap_err().is_no_such_process());
+    }
+
+    #[test]
+    fn a_pid_that_names_no_process_is_no_such_process() {
+        // A reaped leader whose group lives on: the number is still the group's id.
+        let (pidfd, _guard) = spawn_leader("sleep 30 & exit 0");
+        assert!(pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+        assert_eq!(pidfd.try_reap().unwrap(), Some(ExitStatus::Code(0)));
+        assert!(pidfd.group_exists().unwrap(), "the sleep keeps the group");
+        let err = PidFd::open(pidfd.pid()).unwrap_err();
+        assert!(err.is_no_such_process(), "{err:?}");
+
+        // A thread's id (not a thread-group leader).
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            tx.send(unsafe { libc::gettid() }).unwrap();
+            let _ = stop_rx.recv();
+        });
+        let tid = rx.recv().unwrap();
+        let err = PidFd::open(tid).unwrap_err();
+        assert!(err.is_no_such_process(), "thread {tid}: {err:?}");
+        drop(stop_tx);
+        t.join().unwrap();
     }
 
     #[test]

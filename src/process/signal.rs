@@ -143,7 +143,15 @@ pub fn terminate(
         "still running after SIGTERM; sending SIGKILL"
     );
     Ok(match target.deliver(Signal::SIGKILL)? {
-        None => Ended::Sigkill,
+        // "Ended" must mean gone: the caller clears the run's evidence on it, which makes the
+        // task claimable again.
+        None if target.wait_ended(deadline_after(AFTER_SIGKILL))? => Ended::Sigkill,
+        None => {
+            return Err(ProcessError::SurvivedSigkill {
+                pid,
+                after: AFTER_SIGKILL,
+            });
+        }
         // Proven gone just as the timeout ran out: SIGKILL was not needed after all.
         Some(Liveness::Dead(_)) => Ended::Sigterm,
         Some(verdict) => Ended::NotOurs(verdict),
@@ -219,10 +227,10 @@ pub fn terminate_group(pidfd: &PidFd, kill_timeout: Duration) -> Result<Ended, P
             // "ended" must mean gone, since callers clear the run's evidence on it (and that
             // makes the task claimable again).
             if !wait_group_gone(pidfd, deadline_after(AFTER_SIGKILL))? {
-                tracing::warn!(
-                    pid = pidfd.pid(),
-                    "group members outlived SIGKILL for {AFTER_SIGKILL:?}"
-                );
+                return Err(ProcessError::SurvivedSigkill {
+                    pid: pidfd.pid(),
+                    after: AFTER_SIGKILL,
+                });
             }
             Ok(Ended::Sigkill)
         }
@@ -231,8 +239,8 @@ pub fn terminate_group(pidfd: &PidFd, kill_timeout: Duration) -> Result<Ended, P
     }
 }
 
-/// How long [`terminate_group`] waits for a SIGKILLed group to be gone.
-const AFTER_SIGKILL: Duration = Duration::from_secs(5);
+/// How long [`terminate`] and [`terminate_group`] wait for a SIGKILLed worker to be gone.
+pub(crate) const AFTER_SIGKILL: Duration = Duration::from_secs(5);
 
 /// [`terminate_group`] for a process outside its own group: signals reach the process only.
 fn terminate_alone(pidfd: &PidFd, deadline: Instant) -> Result<Ended, ProcessError> {

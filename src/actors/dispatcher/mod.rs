@@ -75,7 +75,8 @@ pub struct EvidenceAfterClose {
     pub run_id: RunId,
     pub task_id: TaskId,
     pub pid: i32,
-    pub fingerprint: Fingerprint,
+    /// `None` when it could not be read at spawn (the reaper then ends it through its actor).
+    pub fingerprint: Option<Fingerprint>,
     pub outcome: RunOutcome,
     pub ended_at: board::Millis,
 }
@@ -92,6 +93,29 @@ impl Handler<EvidenceAfterClose> for DispatcherActor {
             m.ended_at,
         );
     }
+}
+
+/// A run's time limit: the task's own when it sets one (0 meaning none, as `"0s"` does in the
+/// config), else its assignee's.
+fn effective_max_runtime(task_ms: Option<i64>, assignee: Option<Duration>) -> Option<Duration> {
+    match task_ms {
+        Some(ms) if ms > 0 => Some(Duration::from_millis(ms as u64)),
+        Some(_) => None,
+        None => assignee.filter(|d| !d.is_zero()),
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn a_tasks_max_runtime_overrides_its_assignees_and_zero_means_none() {
+    let hour = Some(Duration::from_secs(3600));
+    assert_eq!(effective_max_runtime(None, hour), hour);
+    assert_eq!(effective_max_runtime(None, None), None);
+    assert_eq!(
+        effective_max_runtime(Some(1500), hour),
+        Some(Duration::from_millis(1500))
+    );
+    assert_eq!(effective_max_runtime(Some(0), hour), None);
 }
 
 /// Live workers of this incarnation: (run, task, pid).
@@ -311,10 +335,7 @@ impl DispatcherActor {
         pid: Option<i32>,
         token: String,
     ) {
-        let addr = worker
-            .with_claim_on_close(self.claim_params())
-            .with_grace(self.config.reaper.grace)
-            .start();
+        let addr = worker.with_claim_on_close(self.claim_params()).start();
         self.workers.insert(
             run_id,
             Worker {
@@ -370,12 +391,7 @@ impl DispatcherActor {
             umask: assignee.umask,
             rlimits: assignee.rlimits.clone(),
         };
-        let max_runtime = task
-            .max_runtime_ms
-            .filter(|&ms| ms > 0)
-            .map(|ms| Duration::from_millis(ms as u64))
-            .or(assignee.max_runtime)
-            .filter(|d| !d.is_zero());
+        let max_runtime = effective_max_runtime(task.max_runtime_ms, assignee.max_runtime);
         Some((spec, ExitPolicy::new(config, assignee), max_runtime))
     }
 
@@ -409,23 +425,30 @@ impl DispatcherActor {
 
     fn on_run_closed(&mut self, run_id: RunId, ev: &Event) {
         let p = &ev.payload;
-        let (Some(pid), Some(boot_id), Some(ticks)) = (
-            p.get("pid")
-                .and_then(|v| v.as_i64())
-                .and_then(|v| i32::try_from(v).ok()),
+        let Some(pid) = p
+            .get("pid")
+            .and_then(|v| v.as_i64())
+            .and_then(|v| i32::try_from(v).ok())
+        else {
+            return; // No live-worker evidence (already exited): nothing to end.
+        };
+        let fingerprint = match (
             p.get("boot_id").and_then(|v| v.as_str()),
             p.get("start_ticks").and_then(|v| v.as_u64()),
-        ) else {
-            return; // No live-worker evidence (already exited, or a legacy row): nothing to end.
+        ) {
+            (Some(boot_id), Some(ticks)) => Some(Fingerprint {
+                boot_id: boot_id.to_string(),
+                start_ticks: ticks,
+            }),
+            // No fingerprint (its /proc read failed at spawn, or a legacy row): never signalled
+            // by pid — but our own WorkerActor holds its pidfd and can still end it.
+            _ if self.workers.contains_key(&run_id) => None,
+            _ => return,
         };
         let outcome: Option<RunOutcome> = p
             .get("outcome")
             .and_then(|v| v.as_str())
             .and_then(|s| s.parse().ok());
-        let fingerprint = Fingerprint {
-            boot_id: boot_id.to_string(),
-            start_ticks: ticks,
-        };
         self.notify_reaper(
             run_id,
             ev.task_id.unwrap_or_default(),
@@ -444,7 +467,7 @@ impl DispatcherActor {
         run_id: RunId,
         task_id: TaskId,
         pid: i32,
-        fingerprint: Fingerprint,
+        fingerprint: Option<Fingerprint>,
         outcome: Option<RunOutcome>,
         ended_at: board::Millis,
     ) {
