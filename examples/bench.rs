@@ -267,40 +267,40 @@ fn main() -> ExitCode {
     println!("bench: working in {}", dir.path().display());
     let mut summary = Summary::default();
     let mut failed = false;
-    if matches!(opts.scenario, Scenario::Lifecycle | Scenario::All) {
-        if let Err(e) = lifecycle::run(&opts, dir.path(), &mut summary) {
-            eprintln!("bench: lifecycle failed: {e}");
-            summary.line(format!("lifecycle: ERROR {e}"));
-            failed = true;
-        }
+    if matches!(opts.scenario, Scenario::Lifecycle | Scenario::All)
+        && let Err(e) = lifecycle::run(&opts, dir.path(), &mut summary)
+    {
+        eprintln!("bench: lifecycle failed: {e}");
+        summary.line(format!("lifecycle: ERROR {e}"));
+        failed = true;
     }
-    if matches!(opts.scenario, Scenario::Store | Scenario::All) {
-        if let Err(e) = store::run(&opts, dir.path(), &mut summary) {
-            eprintln!("bench: store failed: {e}");
-            summary.line(format!("store: ERROR {e}"));
-            failed = true;
-        }
+    if matches!(opts.scenario, Scenario::Store | Scenario::All)
+        && let Err(e) = store::run(&opts, dir.path(), &mut summary)
+    {
+        eprintln!("bench: store failed: {e}");
+        summary.line(format!("store: ERROR {e}"));
+        failed = true;
     }
-    if matches!(opts.scenario, Scenario::Socket | Scenario::All) {
-        if let Err(e) = socket::run(&opts, dir.path(), &mut summary) {
-            eprintln!("bench: socket failed: {e}");
-            summary.line(format!("socket: ERROR {e}"));
-            failed = true;
-        }
+    if matches!(opts.scenario, Scenario::Socket | Scenario::All)
+        && let Err(e) = socket::run(&opts, dir.path(), &mut summary)
+    {
+        eprintln!("bench: socket failed: {e}");
+        summary.line(format!("socket: ERROR {e}"));
+        failed = true;
     }
-    if opts.scenario == Scenario::Serve {
-        if let Err(e) = serve::run(&opts, dir.path(), &mut summary) {
-            eprintln!("bench: serve failed: {e}");
-            summary.line(format!("serve: ERROR {e}"));
-            failed = true;
-        }
+    if opts.scenario == Scenario::Serve
+        && let Err(e) = serve::run(&opts, dir.path(), &mut summary)
+    {
+        eprintln!("bench: serve failed: {e}");
+        summary.line(format!("serve: ERROR {e}"));
+        failed = true;
     }
-    if opts.scenario == Scenario::Replay {
-        if let Err(e) = replay::run(&opts, dir.path(), &mut summary) {
-            eprintln!("bench: replay failed: {e}");
-            summary.line(format!("replay: ERROR {e}"));
-            failed = true;
-        }
+    if opts.scenario == Scenario::Replay
+        && let Err(e) = replay::run(&opts, dir.path(), &mut summary)
+    {
+        eprintln!("bench: replay failed: {e}");
+        summary.line(format!("replay: ERROR {e}"));
+        failed = true;
     }
     summary.print();
     drop(dir);

@@ -38,6 +38,8 @@ pub enum SupervisorError {
     Board(#[from] board::BoardError),
     #[error("{0}")]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     #[error("{0}")]
     Runtime(String),
     #[error("timed out after {0:?}")]
@@ -87,7 +89,40 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
 }
 
 /// Boots inside a running actix system.
-fn boot(config: Config) -> Result<Booted, SupervisorError> {
+/// An assignee that runs as another user needs a supervisor that may switch to it (root):
+/// refused at start, not found out by every spawn failing.
+fn can_switch_users(config: &Config) -> Result<(), SupervisorError> {
+    let (euid, egid) = (
+        nix::unistd::geteuid().as_raw(),
+        nix::unistd::getegid().as_raw(),
+    );
+    if euid == 0 {
+        return Ok(());
+    }
+    for (name, a) in &config.assignees {
+        let other_user = a.uid.is_some_and(|u| u != euid);
+        let other_group = a.gid.is_some_and(|g| g != egid);
+        if other_user || other_group {
+            let who: Vec<String> = [
+                a.uid.map(|u| format!("uid {u}")),
+                a.gid.map(|g| format!("gid {g}")),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            return Err(SupervisorError::Runtime(format!(
+                "assignee `{name}` runs as {}; switching to another user or group needs root (this supervisor runs as uid {euid}, gid {egid})",
+                who.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
+    // A loaded config was checked at load; one built in code (embedding) is checked here.
+    config.validate()?;
+    can_switch_users(&config)?;
     create_dirs(&config)?;
     let lock = LockFile::acquire(&config.lock_path())?;
     // Bound before any actor runs (a live socket refuses the start); served once they are up.

@@ -266,3 +266,149 @@ fn a_hundred_years_is_still_accepted() {
         std::time::Duration::from_secs(100 * 31_557_600)
     );
 }
+
+#[test]
+fn a_tick_under_a_millisecond_is_refused() {
+    let message = refused("[supervisor]\ntick = \"1ns\"\n");
+    assert!(message.contains("[supervisor] tick"), "{message}");
+    assert!(message.contains("at least 1ms"), "{message}");
+}
+
+#[test]
+fn env_names_must_be_portable_and_not_the_supervisors() {
+    for bad in ["FOO BAR", "1X", "A-B", "É"] {
+        let message = refused(&format!("{CODER}env = {{ {bad:?} = \"v\" }}\n"));
+        assert!(
+            message.contains("invalid variable name"),
+            "{bad}: {message}"
+        );
+    }
+    for reserved in [
+        "RUNWARDEN_RUN_TOKEN",
+        "RUNWARDEN_TASK_TITLE",
+        "RUNWARDEN_ANYTHING",
+    ] {
+        let message = refused(&format!("{CODER}env = {{ {reserved} = \"v\" }}\n"));
+        assert!(
+            message.contains(&format!("[assignees.coder] env.{reserved}")),
+            "{message}"
+        );
+        assert!(message.contains("set by the supervisor"), "{message}");
+    }
+    let ok = Config::from_toml_str(
+        &format!("{CODER}env = {{ _UNDER_1 = \"v\", PATH = \"/bin\" }}\n"),
+        Path::new("/tmp"),
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+}
+
+#[test]
+fn hook_event_kinds_must_exist() {
+    let message = refused("[[hooks]]\non = [\"gaveup\"]\ncommand = [\"true\"]\n");
+    assert!(message.contains("[[hooks]] #1 on"), "{message}");
+    assert!(message.contains("unknown event kind `gaveup`"), "{message}");
+    assert!(message.contains("gave_up"), "names the kinds: {message}");
+    for ok in ["*", "gave_up", "crashed", "terminal_worker_reaped"] {
+        let text = format!("[[hooks]]\non = [{ok:?}]\ncommand = [\"true\"]\n");
+        let loaded = Config::from_toml_str(&text, Path::new("/tmp"));
+        assert!(loaded.is_ok(), "{ok}: {loaded:?}");
+    }
+}
+
+#[test]
+fn a_working_directory_must_exist_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let message = refused(&format!(
+        "{CODER}cwd = {:?}\n",
+        missing.display().to_string()
+    ));
+    assert!(message.contains("[assignees.coder] cwd"), "{message}");
+    assert!(message.contains("missing"), "{message}");
+    assert!(!missing.exists(), "nothing is created by a refused config");
+
+    let file = dir.path().join("file");
+    std::fs::write(&file, "").unwrap();
+    let message = refused(&format!("{CODER}cwd = {:?}\n", file.display().to_string()));
+    assert!(message.contains("is not a directory"), "{message}");
+
+    let ok = Config::from_toml_str(
+        &format!("{CODER}cwd = {:?}\n", dir.path().display().to_string()),
+        Path::new("/tmp"),
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+}
+
+#[test]
+fn a_socket_path_too_long_to_bind_is_refused_at_load() {
+    let long = format!("/tmp/{}", "d".repeat(120));
+    let message = refused(&format!("[supervisor]\ndata_dir = {long:?}\n"));
+    assert!(message.contains("[supervisor] data_dir"), "{message}");
+    assert!(message.contains("at most 107"), "{message}");
+    let message = refused(&format!("[supervisor]\nsocket = \"{long}/c.sock\"\n"));
+    assert!(message.contains("[supervisor] socket"), "{message}");
+}
+
+#[test]
+fn a_numeric_user_gets_its_primary_group_or_needs_one() {
+    // uid 1 is `daemon` (group 1) on Debian and most distributions; read it from the system.
+    let entry = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(1))
+        .expect("passwd lookup")
+        .expect("this test needs a user with uid 1 (daemon)");
+    let config = Config::from_toml_str(&format!("{CODER}user = \"1\"\n"), Path::new("/tmp"))
+        .expect("a numeric user with a passwd entry");
+    let coder = config.assignee("coder").unwrap();
+    assert_eq!(coder.uid, Some(1));
+    assert_eq!(
+        coder.gid,
+        Some(entry.gid.as_raw()),
+        "the user's primary group"
+    );
+
+    // A uid nobody has: no primary group to take, so `group` is required.
+    let free = (40_000..60_000)
+        .find(|&u| {
+            matches!(
+                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(u)),
+                Ok(None)
+            )
+        })
+        .expect("a free uid");
+    let message = refused(&format!("{CODER}user = \"{free}\"\n"));
+    assert!(message.contains("[assignees.coder] user"), "{message}");
+    assert!(message.contains("set `group` too"), "{message}");
+    let config = Config::from_toml_str(
+        &format!("{CODER}user = \"{free}\"\ngroup = \"{free}\"\n"),
+        Path::new("/tmp"),
+    )
+    .expect("with an explicit group");
+    assert_eq!(config.assignee("coder").unwrap().gid, Some(free));
+}
+
+#[test]
+fn a_config_built_in_code_is_checked_when_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::with_data_dir(dir.path());
+    let mut coder = AssigneeConfig::new(["true"]);
+    coder.user = Some("no-such-user-for-runwarden".into());
+    config.assignees.insert("coder".into(), coder);
+    match config.validate() {
+        Err(ConfigError::Invalid { path, message }) => {
+            assert_eq!(path, Path::new("<config built in code>"));
+            assert!(message.contains("[assignees.coder] user"), "{message}");
+        }
+        other => panic!("expected the unknown user refused, got {other:?}"),
+    }
+    // And a supervisor started on it refuses to start, rather than run the worker as itself.
+    match runwarden::Supervisor::start(config.clone()) {
+        Err(runwarden::SupervisorError::Config(ConfigError::Invalid { message, .. })) => {
+            assert!(message.contains("no-such-user-for-runwarden"), "{message}");
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("a supervisor started with an unknown user"),
+    }
+    // A user that exists is resolved to its ids, as at load.
+    config.assignees.get_mut("coder").unwrap().user = Some("daemon".into());
+    config.validate().expect("daemon exists");
+    assert!(config.assignee("coder").unwrap().uid.is_some());
+}

@@ -118,7 +118,7 @@ impl Handler<HookDone> for HookActor {
 /// the natural way to ask for one, and the config's own example. Outcomes that are also event
 /// kinds (`completed`, `blocked`, `reclaimed`, `archived`) keep meaning the event, so such a
 /// hook does not fire twice.
-const OUTCOME_ALIASES: [&str; 4] = ["crashed", "spawn_failed", "timed_out", "stale"];
+pub(crate) const OUTCOME_ALIASES: [&str; 4] = ["crashed", "spawn_failed", "timed_out", "stale"];
 
 /// True if `hook` fires on `ev`: it names the event's kind, `*`, or (for `run_closed`) the run's
 /// outcome from [`OUTCOME_ALIASES`].

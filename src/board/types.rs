@@ -292,3 +292,65 @@ pub struct Failure {
     /// True to block at once, without retrying (e.g. a fail exit code).
     pub give_up_now: bool,
 }
+
+/// Every event kind the board writes (docs/lifecycle.md lists what each means). Hooks are
+/// checked against it at load, so `on = ["gaveup"]` is refused instead of never firing.
+pub const EVENT_KINDS: [&str; 25] = [
+    "created",
+    "linked",
+    "commented",
+    "promoted",
+    "demoted",
+    "claimed",
+    "worker_spawned",
+    "worker_adopted",
+    "worker_found",
+    "heartbeat",
+    "worker_exited",
+    "worker_group_ended",
+    "run_closed",
+    "completed",
+    "blocked",
+    "unblocked",
+    "archived",
+    "reclaimed",
+    "retry_scheduled",
+    "gave_up",
+    "terminal_worker_reaped",
+    "terminal_worker_gone",
+    "terminal_worker_pid_recycled",
+    "reclaim_deferred",
+    "event_ids_reserved",
+];
+
+#[cfg(test)]
+mod event_kind_tests {
+    use std::collections::BTreeSet;
+
+    /// The kinds the docs' table names (first column, in backticks), the user-facing truth.
+    fn documented() -> BTreeSet<String> {
+        let doc = include_str!("../../docs/lifecycle.md");
+        let table = doc
+            .split("## Event kinds")
+            .nth(1)
+            .expect("docs/lifecycle.md has an event kinds section");
+        table
+            .lines()
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .filter_map(|l| l.split('|').nth(1))
+            .flat_map(|cell| cell.split('`').skip(1).step_by(2).map(str::to_string))
+            .collect()
+    }
+
+    #[test]
+    fn event_kinds_are_the_documented_ones() {
+        let listed: BTreeSet<String> = super::EVENT_KINDS.iter().map(|k| k.to_string()).collect();
+        assert_eq!(
+            listed.len(),
+            super::EVENT_KINDS.len(),
+            "a kind listed twice"
+        );
+        assert_eq!(listed, documented());
+    }
+}

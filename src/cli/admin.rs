@@ -76,6 +76,10 @@ pub fn shutdown(cli: &Cli, out: Out) -> Result<(), CliError> {
 /// `runwarden completions SHELL`.
 pub fn completions(shell: clap_complete::Shell) -> Result<(), CliError> {
     let mut cmd = Cli::command();
-    clap_complete::generate(shell, &mut cmd, "runwarden", &mut std::io::stdout());
-    Ok(())
+    // Into a buffer first: generate() panics on a failed write (a full disk, a closed pipe),
+    // where `line` reports it in one line.
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut cmd, "runwarden", &mut script);
+    let script = String::from_utf8_lossy(&script);
+    line(script.trim_end_matches('\n'))
 }

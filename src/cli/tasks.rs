@@ -25,7 +25,7 @@ pub struct AddArgs {
     /// A task this one waits for (repeatable).
     #[arg(long = "parent", value_name = "ID")]
     pub parents: Vec<TaskId>,
-    /// Longest a run may take, e.g. "30m" (default: the assignee's).
+    /// Longest a run may take, e.g. "30m"; "0s" for no limit (default: the assignee's).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub max_runtime: Option<Duration>,
     /// Failed runs retried before the task blocks (default: the assignee's).

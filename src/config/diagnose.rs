@@ -83,19 +83,19 @@ pub(super) fn schema_error(text: &str, table: &toml::Table, error: &toml::de::Er
     let (mut path, mut message) = split_error(table, error);
     // The key path of an array element carries no index; find the failing `[[hooks]]` entry
     // by checking each one alone, and take the path within it from that error.
-    if path.first().map(String::as_str) == Some("hooks") {
-        if let Some(toml::Value::Array(hooks)) = table.get("hooks") {
-            for (index, hook) in hooks.iter().enumerate() {
-                if let Err(e) = HookConfig::deserialize(hook.clone()) {
-                    let (inner, inner_message) = match hook {
-                        toml::Value::Table(t) => split_error(t, &e),
-                        _ => (Vec::new(), e.message().to_string()),
-                    };
-                    path = vec!["hooks".to_string(), index.to_string()];
-                    path.extend(inner);
-                    message = inner_message;
-                    break;
-                }
+    if path.first().map(String::as_str) == Some("hooks")
+        && let Some(toml::Value::Array(hooks)) = table.get("hooks")
+    {
+        for (index, hook) in hooks.iter().enumerate() {
+            if let Err(e) = HookConfig::deserialize(hook.clone()) {
+                let (inner, inner_message) = match hook {
+                    toml::Value::Table(t) => split_error(t, &e),
+                    _ => (Vec::new(), e.message().to_string()),
+                };
+                path = vec!["hooks".to_string(), index.to_string()];
+                path.extend(inner);
+                message = inner_message;
+                break;
             }
         }
     }

@@ -37,6 +37,8 @@ pub const DEFAULT_CONFIG_FILE: &str = "config.toml";
 
 /// Shown in errors in place of a path for a config that did not come from a file.
 const INLINE: &str = "<inline>";
+/// The "file" named by an error in a config built in code (see [`Config::validate`]).
+const IN_CODE: &str = "<config built in code>";
 
 /// Why a config could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -303,6 +305,22 @@ impl Config {
             assignees: BTreeMap::new(),
             hooks: Vec::new(),
         }
+    }
+
+    /// Checks a config built or changed in code the way [`Config::load`] checks a file: every
+    /// range and relation, `user` and `group` looked up (they set `uid` and `gid`), relative
+    /// paths resolved against the config file's directory, else the working directory. A
+    /// supervisor runs it when it starts, so an embedded config skips no check — a `user` set in
+    /// code is honoured, not silently ignored. Idempotent.
+    pub fn validate(&mut self) -> Result<(), ConfigError> {
+        let base_dir = match self.path.as_deref().and_then(Path::parent) {
+            Some(dir) => dir.to_path_buf(),
+            None => std::path::absolute(".").unwrap_or_else(|_| PathBuf::from("/")),
+        };
+        validate::validate_and_resolve(self, &base_dir).map_err(|p| ConfigError::Invalid {
+            path: self.path.clone().unwrap_or_else(|| PathBuf::from(IN_CODE)),
+            message: p.render(""),
+        })
     }
 
     /// The board database: `<data_dir>/board.db`.

@@ -131,8 +131,19 @@ fn durations_round_trip_through_serialize() {
 
 #[test]
 fn relative_paths_resolve_against_the_config_dir() {
-    let c = parse_ok(
-        r#"
+    // Working directories must exist at load: real ones, beside the "config dir".
+    let tmp = tempfile::tempdir().unwrap();
+    let (conf, src, abs) = (
+        tmp.path().join("rw"),
+        tmp.path().join("src"),
+        tmp.path().join("w"),
+    );
+    for d in [&conf, &src, &abs] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let c = Config::from_toml_str(
+        &format!(
+            r#"
         [supervisor]
         data_dir = "./state"
         socket = "run/rw.sock"
@@ -141,23 +152,20 @@ fn relative_paths_resolve_against_the_config_dir() {
         cwd = "../src"
         [assignees.b]
         command = ["true"]
-        cwd = "/abs/work"
-        "#,
-    );
-    assert_eq!(c.supervisor.data_dir, Path::new("/etc/rw/state"));
-    assert_eq!(c.socket_path(), Path::new("/etc/rw/run/rw.sock"));
-    assert_eq!(c.db_path(), Path::new("/etc/rw/state/board.db"));
-    assert_eq!(c.logs_dir(), Path::new("/etc/rw/state/logs"));
-    assert_eq!(c.work_dir(), Path::new("/etc/rw/state/work"));
-    assert_eq!(c.lock_path(), Path::new("/etc/rw/state/supervisor.lock"));
-    assert_eq!(
-        c.assignees["a"].cwd.as_deref(),
-        Some(Path::new("/etc/rw/../src"))
-    );
-    assert_eq!(
-        c.assignees["b"].cwd.as_deref(),
-        Some(Path::new("/abs/work"))
-    );
+        cwd = {abs:?}
+        "#
+        ),
+        &conf,
+    )
+    .expect("config should parse");
+    assert_eq!(c.supervisor.data_dir, conf.join("state"));
+    assert_eq!(c.socket_path(), conf.join("run/rw.sock"));
+    assert_eq!(c.db_path(), conf.join("state/board.db"));
+    assert_eq!(c.logs_dir(), conf.join("state/logs"));
+    assert_eq!(c.work_dir(), conf.join("state/work"));
+    assert_eq!(c.lock_path(), conf.join("state/supervisor.lock"));
+    assert_eq!(c.assignees["a"].cwd.as_deref(), Some(&*conf.join("../src")));
+    assert_eq!(c.assignees["b"].cwd.as_deref(), Some(abs.as_path()));
 }
 
 #[test]

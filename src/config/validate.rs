@@ -8,14 +8,17 @@ use std::time::Duration;
 use super::diagnose::{Problem, is_bare_key};
 use super::{AssigneeConfig, Config, HookConfig, RLIMIT_NAMES, rlimit_resource};
 
-/// Environment variables the supervisor sets for each run: an assignee may not override them,
-/// or its worker would report against the wrong run.
-const RESERVED_ENV: [&str; 4] = [
-    "RUNWARDEN_SOCKET",
-    "RUNWARDEN_TASK_ID",
-    "RUNWARDEN_RUN_ID",
-    "RUNWARDEN_RUN_TOKEN",
-];
+/// The prefix of the variables the supervisor sets for each run (`RUNWARDEN_SOCKET`,
+/// `RUNWARDEN_RUN_TOKEN`, …): an assignee may not set any of them, or its worker would report
+/// against the wrong run (or all its runs would share one token, whose carriers are ended
+/// together).
+const RESERVED_ENV_PREFIX: &str = "RUNWARDEN_";
+
+/// The shortest tick: the dispatcher's and reaper's periodic timers run this often.
+const MIN_TICK: Duration = Duration::from_millis(1);
+
+/// The longest path a Unix socket can be bound at (`sun_path` is 108 bytes with its NUL).
+const MAX_SOCKET_PATH: usize = 107;
 
 type Checked = Result<(), Problem>;
 
@@ -27,7 +30,14 @@ pub(super) fn validate_and_resolve(config: &mut Config, base_dir: &Path) -> Chec
     if let Some(socket) = &s.socket {
         s.socket = Some(resolve(base_dir, socket, &["supervisor", "socket"])?);
     }
-    positive(s.tick, &["supervisor", "tick"])?;
+    if s.tick < MIN_TICK {
+        let message = format!(
+            "must be at least {}, got {}",
+            humantime::format_duration(MIN_TICK),
+            humantime::format_duration(s.tick)
+        );
+        return Err(Problem::at(&["supervisor", "tick"], message));
+    }
     at_least(
         s.max_in_progress.into(),
         1,
@@ -36,6 +46,7 @@ pub(super) fn validate_and_resolve(config: &mut Config, base_dir: &Path) -> Chec
     at_least(s.log_max_bytes, 1024, &["supervisor", "log_max_bytes"])?;
 
     positive(config.leases.claim_ttl, &["leases", "claim_ttl"])?;
+    socket_path(config)?;
 
     let r = &config.retries;
     if r.backoff_max < r.backoff {
@@ -77,18 +88,37 @@ fn assignee_config(name: &str, a: &mut AssigneeConfig, base_dir: &Path) -> Check
     }
     for (var, value) in &a.env {
         let path = ["assignees", name, "env", var.as_str()];
-        if var.is_empty() || var.contains('=') || var.contains('\0') {
-            return Err(Problem::at(&path, "invalid variable name"));
+        if !is_env_name(var) {
+            return Err(Problem::at(
+                &path,
+                "invalid variable name; use letters, digits and `_`, not starting with a digit",
+            ));
         }
-        if RESERVED_ENV.contains(&var.as_str()) {
-            return Err(Problem::at(&path, "is set by the supervisor for each run"));
+        if var.starts_with(RESERVED_ENV_PREFIX) {
+            return Err(Problem::at(
+                &path,
+                "RUNWARDEN_* variables are set by the supervisor for each run",
+            ));
         }
         if value.contains('\0') {
             return Err(Problem::at(&path, "must not contain a NUL byte"));
         }
     }
     if let Some(cwd) = &a.cwd {
-        a.cwd = Some(resolve(base_dir, cwd, &key("cwd"))?);
+        let cwd = resolve(base_dir, cwd, &key("cwd"))?;
+        // Checked now, not found missing at the first spawn (nor created there, as root).
+        match std::fs::metadata(&cwd) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                let message = format!("{} is not a directory", cwd.display());
+                return Err(Problem::at(&key("cwd"), message));
+            }
+            Err(e) => {
+                let message = format!("cannot use {}: {e}", cwd.display());
+                return Err(Problem::at(&key("cwd"), message));
+            }
+        }
+        a.cwd = Some(cwd);
     }
     exit_codes(&a.retry_exit_codes, &key("retry_exit_codes"))?;
     exit_codes(&a.fail_exit_codes, &key("fail_exit_codes"))?;
@@ -126,7 +156,27 @@ fn resolve_ids(a: &mut AssigneeConfig, name: &str) -> Checked {
                 a.gid = Some(u.gid.as_raw());
             }
             Ok(None) => match user.parse::<u32>() {
-                Ok(uid) => a.uid = Some(uid),
+                Ok(uid) => {
+                    a.uid = Some(uid);
+                    // A uid gets its user's primary group too, as a name does; a uid with no
+                    // user has none to give, and root's group must not be kept by default.
+                    match User::from_uid(nix::unistd::Uid::from_raw(uid)) {
+                        Ok(Some(u)) => a.gid = Some(u.gid.as_raw()),
+                        Ok(None) if a.group.is_none() => {
+                            let message = format!(
+                                "uid {uid} has no user entry, so no primary group; set `group` too"
+                            );
+                            return Err(Problem::at(&path, message));
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            return Err(Problem::at(
+                                &path,
+                                format!("cannot look up uid {uid}: {e}"),
+                            ));
+                        }
+                    }
+                }
                 Err(_) => return Err(Problem::at(&path, format!("no such user `{user}`"))),
             },
             Err(e) => {
@@ -157,6 +207,19 @@ fn hook_config(index: &str, h: &HookConfig) -> Checked {
     }
     if h.on.iter().any(|kind| kind.trim().is_empty()) {
         return Err(Problem::at(&on, "event kinds must not be empty"));
+    }
+    let known = |k: &str| {
+        k == "*"
+            || crate::board::EVENT_KINDS.contains(&k)
+            || crate::actors::hooks::OUTCOME_ALIASES.contains(&k)
+    };
+    if let Some(kind) = h.on.iter().find(|k| !known(k)) {
+        let message = format!(
+            "unknown event kind `{kind}` (expected `*`, a run outcome ({}) or one of {})",
+            crate::actors::hooks::OUTCOME_ALIASES.join(", "),
+            crate::board::EVENT_KINDS.join(", ")
+        );
+        return Err(Problem::at(&on, message));
     }
     argv(&h.command, &["hooks", index, "command"])?;
     positive(h.timeout, &["hooks", index, "timeout"])
@@ -190,6 +253,34 @@ fn exit_codes(codes: &[i32], path: &[&str]) -> Checked {
         )),
         None => Ok(()),
     }
+}
+
+/// A portable environment variable name: letters, digits and `_`, not starting with a digit.
+fn is_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// The control socket must fit in `sun_path`: found now, naming the key, not when serving.
+fn socket_path(config: &Config) -> Checked {
+    use std::os::unix::ffi::OsStrExt;
+    let socket = config.socket_path();
+    let len = socket.as_os_str().as_bytes().len();
+    if len <= MAX_SOCKET_PATH {
+        return Ok(());
+    }
+    let (key, what): (&[&str], _) = match config.supervisor.socket {
+        Some(_) => (&["supervisor", "socket"], "this path"),
+        None => (&["supervisor", "data_dir"], "the default socket in it"),
+    };
+    let message = format!(
+        "{what} ({}) is {len} bytes long; a Unix socket path can have at most {MAX_SOCKET_PATH} (set [supervisor] socket to a shorter one)",
+        socket.display()
+    );
+    Err(Problem::at(key, message))
 }
 
 fn positive(value: Duration, path: &[&str]) -> Checked {

@@ -96,10 +96,10 @@ fn run_vars(env: &[u8]) -> (Option<String>, Option<i64>) {
     for var in env.split(|&b| b == 0) {
         if let Some(t) = var.strip_prefix(b"RUNWARDEN_RUN_TOKEN=") {
             token.get_or_insert_with(|| String::from_utf8_lossy(t).into_owned());
-        } else if let Some(id) = var.strip_prefix(b"RUNWARDEN_RUN_ID=") {
-            if run_id.is_none() {
-                run_id = std::str::from_utf8(id).ok().and_then(|id| id.parse().ok());
-            }
+        } else if let Some(id) = var.strip_prefix(b"RUNWARDEN_RUN_ID=")
+            && run_id.is_none()
+        {
+            run_id = std::str::from_utf8(id).ok().and_then(|id| id.parse().ok());
         }
     }
     (token, run_id)
