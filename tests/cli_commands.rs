@@ -12,6 +12,7 @@ use std::sync::mpsc;
 
 use common::control_daemon::{Daemon, SETTLE, bin, command, failed, ok, ok_json, run};
 use common::proc_guard::{ChildGuard, wait_until};
+use common::runtime::WorkerGuard;
 use serde_json::Value;
 
 /// `[assignees.*]` used below: a worker that reports through the CLI, one that holds its run,
@@ -69,7 +70,7 @@ fn a_worker_reports_through_the_cli_from_its_environment() {
     let run = &t["runs"][0];
     assert_eq!(run["outcome"], "completed");
     assert_eq!(run["summary"], "ok");
-    assert!(run["worker_pid"].is_null() || run["worker_pid"].is_i64());
+    assert!(run["spawned_pid"].is_i64(), "the spawn is recorded: {run}");
     assert!(run["started_at"].is_i64() && run["ended_at"].is_i64());
     // The heartbeat refreshed the run: its time is recorded and the lease runs claim_ttl
     // (15 min by default) from it.
@@ -258,6 +259,14 @@ fn running_tasks_runs_reclaim_force_status_reap() {
         wait_until(SETTLE, || show(&d, id)["runs"][0]["worker_pid"].is_i64()),
         "pid recorded: {pid:?}"
     );
+    // Pinned by its recorded fingerprint: ended by pid on drop whatever fails below, and
+    // watched to see the reclaim end it.
+    let run = &show(&d, id)["runs"][0];
+    let fp = runwarden::process::Fingerprint {
+        boot_id: run["worker_boot_id"].as_str().expect("boot id").to_string(),
+        start_ticks: run["worker_start_ticks"].as_u64().expect("start ticks"),
+    };
+    let worker = WorkerGuard::pin(run["worker_pid"].as_i64().unwrap() as i32, &fp);
 
     // status shows the live worker; --json is stable.
     let s = ok_json(&d.cli(&["status", "--json"]));
@@ -287,6 +296,11 @@ fn running_tasks_runs_reclaim_force_status_reap() {
         "--json",
     ]));
     assert_eq!(r["status"], "ready");
+    assert!(
+        wait_until(SETTLE, || !worker.alive()),
+        "the reclaimed run's worker {} is still running",
+        worker.pid
+    );
     assert!(wait_until(SETTLE, || show(&d, id)["runs"]
         .as_array()
         .unwrap()
@@ -418,6 +432,20 @@ fn flags_anywhere_config_or_socket_and_plain_errors() {
     // Completions need no supervisor.
     let out = command().args(["completions", "bash"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("_runwarden"));
+    // A failed write is one line and exit 1, not a panic.
+    let full = std::fs::File::create("/dev/full").expect("/dev/full");
+    let out = command()
+        .args(["completions", "bash"])
+        .stdout(full)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot write to stdout") && !err.contains("panicked"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
 
     // shutdown: the supervisor stops, and then commands say plainly nobody is listening.
     let out = ok(&d.cli(&["shutdown"]));

@@ -95,15 +95,20 @@ fn a_finished_runs_descendants_are_all_ended_after_the_grace() {
         seen_at < due,
         "the sleeps were recorded before the grace ended"
     );
-    // The grace is honoured: all three still run shortly before it ends.
-    if now() < due - 300 {
-        assert!(
-            sleeps.iter().all(|s| s.alive()),
-            "ended before the grace: {sleeps:?}"
-        );
-    }
+    // The grace is honoured: all three still run shortly before it ends. The watch below
+    // must start well before then, or an early kill would pass unseen: too late is a failure.
+    let watch_from = now();
+    assert!(
+        watch_from < due - 300,
+        "the test reached the grace check at {watch_from}, too close to its end at {due} to tell an early kill: the scenario did not run"
+    );
+    assert!(
+        sleeps.iter().all(|s| s.alive()),
+        "ended before the grace: {sleeps:?}"
+    );
 
-    // After the grace: each of the three is dead (first seen dead no earlier than the grace).
+    // After the grace: each of the three is dead, first seen dead no earlier than the grace
+    // (watched from before it ended, so an early death shows as an early time).
     let mut dead_at = vec![None; sleeps.len()];
     let all_dead = wait_until(grace + 2 * SETTLE, || {
         for (s, at) in sleeps.iter().zip(dead_at.iter_mut()) {

@@ -12,7 +12,6 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::fs;
-use std::path::Path;
 use std::time::Duration;
 
 use common::lifecycle::{Db, Seen, View, now, seen, stop_serve, wait_pid_file};
@@ -53,22 +52,6 @@ fn hook(on: &[&str], script: &str, timeout: &str) -> String {
     format!(
         "[[hooks]]\non = {on:?}\ncommand = [\"sh\", \"-c\", {script:?}]\ntimeout = {timeout:?}\n"
     )
-}
-
-/// Pins every pid written in `*.pid` files under `dir` that is still running.
-fn pin_pid_files(dir: &Path) -> Vec<WorkerGuard> {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".pid"))
-        .filter_map(|e| fs::read_to_string(e.path()).ok()?.trim().parse().ok())
-        .filter_map(|pid| {
-            let fp = runwarden::process::fingerprint(pid).ok()?;
-            WorkerGuard::adopt(pid, &fp)
-        })
-        .collect()
 }
 
 #[test]
@@ -167,20 +150,31 @@ fn a_hook_over_its_timeout_is_killed_and_the_supervisor_keeps_going() {
     );
     let first = tasks[0];
     let claimed = db.wait_event(first, "claimed", SETTLE);
-    let hook_pid = wait_pid_file(&out.join(format!("{first}-hook.pid")), SETTLE);
-    let bg_pid = wait_pid_file(&out.join(format!("{first}-bg.pid")), SETTLE);
-    let procs: Vec<Seen> = [hook_pid, bg_pid].into_iter().map(seen).collect();
-    let _pins: Vec<_> = procs.iter().filter_map(Seen::pin).collect();
+    let due = claimed.at + timeout.as_millis() as i64;
+    let pin_hook = |task: TaskId| -> (Vec<Seen>, Vec<WorkerGuard>) {
+        let hook_pid = wait_pid_file(&out.join(format!("{task}-hook.pid")), SETTLE);
+        let bg_pid = wait_pid_file(&out.join(format!("{task}-bg.pid")), SETTLE);
+        let procs: Vec<Seen> = [hook_pid, bg_pid].into_iter().map(seen).collect();
+        // Pinned at once: whatever fails below, they are SIGKILLed by pid through a
+        // verified pidfd.
+        let pins = procs.iter().filter_map(Seen::pin).collect();
+        (procs, pins)
+    };
+    let (procs, _pins) = pin_hook(first);
 
-    // The supervisor goes on while the hook hangs: the task completes, a new one runs.
-    db.wait_status(first, TaskStatus::Done, SETTLE);
+    // Watched from well before the timeout, so an early kill shows as an early time; a test
+    // that got here too late to tell fails rather than passing unseen.
+    let watch_from = now();
+    assert!(
+        watch_from < due - 200,
+        "the watch started at {watch_from}, too close to the hook's timeout at {due}: the scenario did not run"
+    );
+    // The supervisor goes on while the hook hangs: a new task is added meanwhile.
     let second = db.write(|tx| {
         Ok(tx
             .create_task(&NewTask::titled("second").for_assignee("w"), now_millis())?
             .id)
     });
-    db.wait_status(second, TaskStatus::Done, SETTLE);
-
     // Killed at its timeout, not before; its background child with it.
     let mut dead_at = None;
     wait_until(timeout + 2 * SETTLE, || {
@@ -189,14 +183,17 @@ fn a_hook_over_its_timeout_is_killed_and_the_supervisor_keeps_going() {
         }
         dead_at.is_some()
     });
-    let _more_pins = pin_pid_files(&out);
     let dead_at =
         dead_at.unwrap_or_else(|| panic!("hook still running: {procs:?}\n{}", serve.stderr()));
     assert!(
-        dead_at >= claimed.at + timeout.as_millis() as i64 - 50,
+        dead_at >= due - 50,
         "hook killed {} ms after its event, timeout {timeout:?}",
         dead_at - claimed.at
     );
+    // Both tasks were served; the second one's claim ran the hook again (pinned as well).
+    db.wait_status(first, TaskStatus::Done, SETTLE);
+    db.wait_status(second, TaskStatus::Done, SETTLE);
+    let (_, _more_pins) = pin_hook(second);
     assert!(
         wait_until(SETTLE, || serve.stderr().contains("timed out after 500ms")),
         "the timeout is logged; stderr:\n{}",
@@ -268,7 +265,7 @@ fn a_failing_hook_is_logged_never_fatal() {
 }
 
 #[test]
-fn a_hook_that_never_reads_a_big_payload_is_still_killed_at_its_timeout() {
+fn a_hook_that_never_reads_a_big_payload_is_still_ended_by_its_timeout() {
     use runwarden::Supervisor;
     use runwarden::config::HookConfig;
     use runwarden::process::{Liveness, fingerprint, liveness};

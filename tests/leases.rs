@@ -129,13 +129,14 @@ fn heartbeats_refresh_the_lease_and_keep_a_worker_from_going_stale() {
     let ttl = Duration::from_secs(60);
     let mut config = lib_config(&td);
     config.leases.claim_ttl = ttl;
-    config.leases.stale_after = Duration::from_millis(800);
+    config.leases.stale_after = Duration::from_millis(1500);
     config.retries.max_retries = 0;
-    // 8 beats 250 ms apart: 2 s of work, 2.5× stale_after, never 800 ms without a heartbeat.
+    // 12 beats 300 ms apart: 3.6 s of work, 2.4× stale_after; a gap between beats is 300 ms
+    // plus the start of a `runwarden heartbeat` process, far under 1.5 s even on a slow machine.
     config.assignees.insert(
         "w".into(),
         sh_assignee(
-            "for i in 1 2 3 4 5 6 7 8; do runwarden heartbeat --note \"beat $i\" || exit 7; sleep 0.25; done",
+            "for i in $(seq 1 12); do runwarden heartbeat --note \"beat $i\" || exit 7; sleep 0.3; done",
         ),
     );
     let mut sup = Supervisor::start(config).expect("start the supervisor");
@@ -157,7 +158,7 @@ fn heartbeats_refresh_the_lease_and_keep_a_worker_from_going_stale() {
         .collect();
     assert_eq!(
         notes,
-        (1..=8).map(|i| format!("beat {i}")).collect::<Vec<_>>(),
+        (1..=12).map(|i| format!("beat {i}")).collect::<Vec<_>>(),
         "{}",
         sup.history(task)
     );
@@ -414,8 +415,12 @@ fn archive_and_reclaim_close_the_run_then_end_the_worker_group() {
     );
     // The reclaimed task goes back to ready and runs again, with a new worker.
     let spawned = sup.wait_events(reclaimed, "worker_spawned", 2, SETTLE);
-    let (pid, _) = worker_identity(&spawned[1]).unwrap();
-    assert!(groups[1].iter().all(|p| p.pid != pid || !p.alive()));
+    let (_, fp) = worker_identity(&spawned[1]).unwrap();
+    assert!(
+        groups[1].iter().all(|p| p.fingerprint != fp),
+        "the new run's worker is a new process: {fp:?} in {:?}",
+        groups[1]
+    );
     sup.shutdown();
 }
 

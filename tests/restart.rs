@@ -1,7 +1,8 @@
 //! A supervisor killed with SIGKILL loses nothing and duplicates nothing. The real
-//! `runwarden serve` starts 20 workers that sleep and then report with `runwarden complete`
-//! (retrying until a supervisor answers); it is SIGKILLed mid-way, the workers live on, and a
-//! second `serve` adopts them:
+//! `runwarden serve` starts 20 workers that wait for their gate and then report with
+//! `runwarden complete` (retrying until a supervisor answers); it is SIGKILLed while they all
+//! run, they live on, half of them report while no supervisor is up, and a second `serve`
+//! adopts them:
 //!
 //! - every task ends `done` exactly once (one `completed` event per task);
 //! - no task ever had two runs open or two workers: one claim, one spawn, one run per task,
@@ -12,26 +13,28 @@
 #[allow(dead_code)]
 mod common;
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
-
-use common::lifecycle::{Db, View, complete_loop, spawned_identity, stop_serve};
+use common::lifecycle::{
+    Db, View, complete_loop, open_gate, spawned_identity, stop_serve, wait_for_gate,
+};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard};
 use runwarden::board::{NewTask, RunOutcome, TaskId, TaskStatus, now_millis};
 use runwarden::process::Signal;
+use std::collections::BTreeMap;
 
 const TASKS: usize = 20;
 
 #[test]
 fn sigkilled_supervisor_restarts_and_every_task_completes_exactly_once() {
     let td = TestDir::new();
-    let worker = format!("sleep 3; {}", complete_loop("ok"));
+    let gates = td.path().join("gates");
+    let worker = format!("{}; {}", wait_for_gate(60), complete_loop("ok"));
     let config = td.write_config(
         "tick = \"100ms\"\nmax_in_progress = 32",
         &format!(
             "[reaper]\ngrace = \"1s\"\nkill_timeout = \"1s\"\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\nmax_in_progress = 32\n"
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\nmax_in_progress = 32\n\
+             env = {{ GATE_DIR = {gates:?} }}\n"
         ),
     );
     std::fs::create_dir_all(td.data_dir()).unwrap();
@@ -47,7 +50,6 @@ fn sigkilled_supervisor_restarts_and_every_task_completes_exactly_once() {
             .collect()
     });
 
-    let started = Instant::now();
     let mut first = Serve::start(&config, "serve1");
     first.wait_ready(&td.lock_path(), &td.db_path());
     let mut spawned = Vec::new();
@@ -76,11 +78,7 @@ fn sigkilled_supervisor_restarts_and_every_task_completes_exactly_once() {
     assert_eq!(workers.len(), TASKS, "one worker per task");
 
     stop_serve(&mut first, Signal::SIGKILL, SETTLE);
-    // Still sleeping (3 s from their spawn): the SIGKILL took the supervisor alone.
-    assert!(
-        started.elapsed() < Duration::from_millis(2500),
-        "too slow to test anything"
-    );
+    // Still waiting for their gates: the SIGKILL took the supervisor alone.
     for (task, w) in &workers {
         assert!(
             w.alive(),
@@ -89,8 +87,16 @@ fn sigkilled_supervisor_restarts_and_every_task_completes_exactly_once() {
         );
     }
 
+    // Half report while no supervisor is up (they retry), half once the second one is.
+    let (early, late) = tasks.split_at(TASKS / 2);
+    for &task in early {
+        open_gate(&gates, task);
+    }
     let mut second = Serve::start(&config, "serve2");
     second.wait_ready(&td.lock_path(), &td.db_path());
+    for &task in late {
+        open_gate(&gates, task);
+    }
     for &task in &tasks {
         db.wait_status(task, TaskStatus::Done, 3 * SETTLE);
     }

@@ -67,7 +67,7 @@ fn orphaned_descendants_re_parent_to_serve_and_their_zombies_are_reaped() {
     let config = td.write_config(
         "tick = \"100ms\"",
         "[assignees.forker]\n\
-         command = [\"sh\", \"-c\", \"(sleep 0.2 &) ; sleep 0.1\"]\n\
+         command = [\"sh\", \"-c\", \"(sleep 5 &) ; sleep 1\"]\n\
          max_in_progress = 3\n\
          max_retries = 0\n",
     );
@@ -77,8 +77,10 @@ fn orphaned_descendants_re_parent_to_serve_and_their_zombies_are_reaped() {
     let sup = serve.pid();
     let ids = add_tasks(&db, "forker", TASKS);
 
-    // Each worker's inner `sleep 0.2` loses its parent (the subshell) at once and is
-    // re-parented to the supervisor, the nearest subreaper. Watch them appear.
+    // Each worker's inner `sleep 5` loses its parent (the subshell) at once and is
+    // re-parented to the supervisor, the nearest subreaper. Watch them appear: they live at
+    // least the second their worker does (then they are ended with its group, leaving zombies
+    // for serve to reap).
     let mut orphans: BTreeMap<Pid, u64> = BTreeMap::new();
     let seen_all = wait_until(SETTLE, || {
         for s in children_of(sup) {

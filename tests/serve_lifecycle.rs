@@ -271,10 +271,10 @@ fn shutdown_terminate_ends_workers_and_releases_their_runs() {
     let members = pin_group(pid, 3);
 
     serve.stop_cleanly(Signal::SIGTERM);
-    // Ended before serve exited: it waits for its workers.
+    // Ended before serve exited (it waits for its workers): dead the moment it is gone.
     for m in &members {
         assert!(
-            m.wait_dead(SETTLE).is_some(),
+            !m.alive(),
             "worker process {} survived a \"terminate\" shutdown; stderr:\n{}",
             m.pid,
             serve.stderr()

@@ -50,6 +50,12 @@ fn worker_alive_after_completion_is_reaped_by_a_dispatch_pass() {
     assert_eq!(closed.ended_at, Some(ended_at));
     assert_evidence_kept(&closed, pid, Some(&fp));
 
+    // A ready task the dry run could have claimed, so "spawns nothing" says something.
+    let waiting = tb
+        .board
+        .write(|tx| tx.create_task(&NewTask::titled("waiting").for_assignee("coder"), ended_at))
+        .expect("create a ready task")
+        .id;
     let spawns = Cell::new(0u32);
     let mut spawn = |_: &Claim| -> Result<(i32, Option<Fingerprint>), String> {
         spawns.set(spawns.get() + 1);
@@ -81,6 +87,8 @@ fn worker_alive_after_completion_is_reaped_by_a_dispatch_pass() {
         "{report:?}"
     );
     assert_eq!(spawns.get(), 0, "a dry run spawns nothing");
+    let waiting = tb.board.read(|tx| tx.get_task(waiting)).expect("read");
+    assert_eq!(waiting.status, TaskStatus::Ready, "nor claims: {waiting:?}");
     assert!(
         exits_within_settle(&mut worker),
         "worker {pid} still running {SETTLE:?} after the reaper ended it"

@@ -197,6 +197,9 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();
+        // A daemon that had to be SIGKILLed left its workers (group leaders of their own)
+        // running: end every worker the board still records, by pid and fingerprint.
+        super::runtime::kill_recorded_workers(&self.data_dir.join("board.db"));
     }
 }
 
@@ -226,22 +229,30 @@ pub fn run(mut cmd: Command) -> Output {
         .expect("spawn runwarden");
     // A guard ends it by pid if the test fails (or it hangs) before it is collected.
     let mut guard = ChildGuard::new(child).expect("guard");
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let mut stdout = guard.0.stdout.take().expect("stdout");
-    let mut stderr = guard.0.stderr.take().expect("stderr");
-    let t = std::thread::spawn(move || {
-        let _ = stderr.read_to_end(&mut err);
-        err
-    });
-    let _ = stdout.read_to_end(&mut out);
-    let err = t.join().unwrap_or_default();
+    // Both pipes drained on their own threads (a full pipe must not stall the command), while
+    // this thread waits for the exit with a bound: a hung command fails the test, and the
+    // guard's kill closes the pipes so the readers end too.
+    fn drain(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = pipe.read_to_end(&mut buf);
+            buf
+        })
+    }
+    let stdout = drain(guard.0.stdout.take().expect("stdout"));
+    let stderr = drain(guard.0.stderr.take().expect("stderr"));
+    let exited = guard.pidfd().wait_exit(COMMAND_TIMEOUT).unwrap_or(false);
+    assert!(exited, "runwarden did not exit within {COMMAND_TIMEOUT:?}");
     let status = guard.0.wait().expect("wait");
     Output {
         status,
-        stdout: out,
-        stderr: err,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
     }
 }
+
+/// How long [`run`] lets one command take before it fails the test.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// stdout of a successful command, or a panic showing what it said.
 pub fn ok(out: &Output) -> String {
