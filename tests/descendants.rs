@@ -193,3 +193,58 @@ fn an_escapee_of_a_worker_that_exited_by_itself_is_ended_with_its_run() {
         serve.stderr()
     );
 }
+
+#[test]
+fn what_a_reporting_worker_leaves_in_its_group_is_ended_when_it_exits_not_after_the_grace() {
+    let td = TestDir::new();
+    // Reports, leaves a member in its group, waits until the report has landed, exits.
+    let worker = "sleep 304 & runwarden complete --result ok && sleep 0.3; exit 0";
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        &format!(
+            "[reaper]\ngrace = \"1m\"\nkill_timeout = \"1s\"\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"
+        ),
+    );
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(
+                &NewTask::titled("leaves a member").for_assignee("w"),
+                now_millis(),
+            )?
+            .id)
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    db.wait_event(task, "worker_spawned", SETTLE);
+    let run = db.runs(task)[0].clone();
+    let worker_pid = run.spawned_pid.expect("spawned pid") as i32;
+    let member = wait_run_procs(&run.token, &["sleep 304"], SETTLE).remove(0);
+    let _pin = member.pin();
+    assert_eq!(
+        read_stat(member.pid).expect("stat").pgrp,
+        worker_pid,
+        "in the worker's group"
+    );
+
+    // Closed by the report (the grace would be a minute); the leader's exit ends the member.
+    db.wait_status(task, TaskStatus::Done, SETTLE);
+    let ended = db.wait_event(task, "worker_group_ended", SETTLE);
+    assert!(!member.alive(), "{member:?} outlived its leader");
+    let run = db.run(run.id);
+    assert_eq!(run.outcome, Some(RunOutcome::Completed), "{run:?}");
+    assert!(
+        ended.at - run.ended_at.unwrap() < 30_000,
+        "ended {} ms after the close, as if it had waited for the grace",
+        ended.at - run.ended_at.unwrap()
+    );
+    assert_eq!(run.worker_pid, None, "evidence cleared: {run:?}");
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}
