@@ -128,6 +128,47 @@ fn user_nobody_works_in_its_default_working_directory() {
     assert_eq!(meta.uid(), NOBODY);
 }
 
+/// A worker that runs as another user reports over the control socket (its user may connect,
+/// for its own run only): heartbeat and complete work; an operator's op is refused.
+#[test]
+fn a_worker_running_as_nobody_reports_its_own_run_and_nothing_else() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root to drop privileges"
+    );
+    let td = TestDir::new();
+    fs::set_permissions(td.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    // The CLI where nobody can run it, whatever the permissions of the build directory.
+    let bin = td.path().join("bin");
+    fs::create_dir(&bin).unwrap();
+    fs::copy(common::lifecycle::RUNWARDEN, bin.join("runwarden")).unwrap();
+    fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:/usr/bin:/bin", bin.display());
+    let (log, _) = run_one(
+        &td,
+        &format!("user = \"nobody\"\nenv = {{ PATH = {path:?} }}"),
+        "runwarden ls; echo \"ls exit $?\"; \
+         runwarden heartbeat --note nobody && runwarden complete --result 'as nobody'",
+    );
+    assert!(
+        log.contains("ls exit 1"),
+        "an operator's op is refused: {log}"
+    );
+    assert!(
+        log.contains("may only report on its own run"),
+        "and says why: {log}"
+    );
+    let mut db = Db::new(td.db_path());
+    let task = db.all_events()[0].task_id.expect("the task");
+    assert_eq!(db.get_task(task).result.as_deref(), Some("as nobody"));
+    let beats = db.events_of(task, "heartbeat");
+    assert_eq!(beats.len(), 1, "{}", db.history(task));
+    // Completed by the report (an exit 0 would have left no result), once.
+    let completed = db.events_of(task, "completed");
+    assert_eq!(completed.len(), 1, "{}", db.history(task));
+    assert_eq!(completed[0].payload["result"], "as nobody");
+}
+
 #[test]
 fn umask_077_applies_to_what_the_worker_creates() {
     let td = TestDir::new();

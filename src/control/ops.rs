@@ -19,7 +19,7 @@ use super::protocol::{
     LiveWorker, PROTOCOL_VERSION, ReapReply, Reclaim, Request, RequestId, Response, ShutdownReply,
     StatusReply, TaskReply, TasksReply, code,
 };
-use super::server::Shared;
+use super::server::{Role, Shared};
 use crate::actors::reaper::SweepNow;
 use crate::actors::store::StoreError;
 use crate::board::{self, BoardError, Millis, Run, TaskId, TaskStatus, Tx, now_millis};
@@ -82,6 +82,17 @@ pub(super) fn respond<T: Serialize>(id: Option<RequestId>, result: Result<T, OpE
     response.to_line()
 }
 
+/// The ops a worker-only peer (see [`Role::Worker`]) may send: reports on a run, each carrying
+/// the run's token (checked with the transition), never forced.
+fn a_workers_report(req: &Request) -> bool {
+    match req {
+        Request::Heartbeat(_) => true,
+        Request::Complete(c) => c.run.is_some() && c.token.is_some() && !c.force,
+        Request::Block(b) => b.run.is_some() && b.token.is_some() && !b.force,
+        _ => false,
+    }
+}
+
 fn ready(line: Vec<u8>) -> LocalBoxFuture<'static, Outcome> {
     std::future::ready(Outcome::Line(line)).boxed_local()
 }
@@ -94,6 +105,18 @@ pub(super) fn start(
     req: Request,
 ) -> LocalBoxFuture<'static, Outcome> {
     let id = Some(id);
+    if session.peer.role == Role::Worker && !a_workers_report(&req) {
+        return ready(respond::<()>(
+            id,
+            Err(OpError {
+                code: code::UNAUTHORIZED,
+                message: format!(
+                    "uid {} runs workers: it may only report on its own run (heartbeat, complete, block with run and token)",
+                    session.peer.uid
+                ),
+            }),
+        ));
+    }
     match req {
         Request::Hello(_) => ready(respond::<()>(
             id,

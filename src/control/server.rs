@@ -76,6 +76,48 @@ pub(super) struct Shared {
 pub(super) struct Peer {
     pub uid: u32,
     pub pid: Option<i32>,
+    pub role: Role,
+}
+
+/// What a peer may do, by its uid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Role {
+    /// Root, the supervisor's own uid, `[control] allowed_uids`: every op.
+    Operator,
+    /// The user an assignee runs as (and no operator): only a worker's reports on its own run,
+    /// each authorized by the run's token — it cannot touch other runs, tasks or the supervisor.
+    Worker,
+}
+
+/// The uids served, and as what.
+struct Allowed {
+    operators: Vec<u32>,
+    workers: Vec<u32>,
+}
+
+impl Allowed {
+    fn for_config(config: &Config) -> Allowed {
+        let mut operators = config.control.allowed_uids.clone();
+        operators.push(0);
+        operators.push(nix::unistd::geteuid().as_raw());
+        let workers = config
+            .assignees
+            .values()
+            .filter_map(|a| a.uid)
+            .filter(|u| !operators.contains(u))
+            .collect();
+        Allowed { operators, workers }
+    }
+
+    fn role(&self, uid: u32) -> Option<Role> {
+        if self.operators.contains(&uid) {
+            Some(Role::Operator)
+        } else if self.workers.contains(&uid) {
+            Some(Role::Worker)
+        } else {
+            None
+        }
+    }
 }
 
 /// A bound control socket, not yet served. Dropping it removes the socket file.
@@ -96,9 +138,7 @@ impl BoundSocket {
         let shutdown = Arc::new(Notify::new());
         let max_connections = config.control.max_connections.max(1);
         let connections = Arc::new(Semaphore::new(max_connections as usize));
-        let mut allowed = config.control.allowed_uids.clone();
-        allowed.push(0);
-        allowed.push(nix::unistd::geteuid().as_raw());
+        let allowed = Allowed::for_config(&config);
         let shared = Rc::new(Shared {
             services,
             socket: socket.clone(),
@@ -215,8 +255,9 @@ impl Modes {
     /// - an assignee that runs as another user needs to traverse the data dir to reach its
     ///   working directory (`<data_dir>/work/<id>`): the directory becomes 0711 (traversable,
     ///   not listable); the socket stays 0600;
-    /// - `allowed_uids` asks for other users to be served: the directory becomes 0711 and the
-    ///   socket 0666, and the peer-uid check (`SO_PEERCRED`) is what refuses everyone else.
+    /// - `allowed_uids` asks for other users to be served, and so do assignees' users (their
+    ///   workers report here): the directory becomes 0711 and the socket 0666, and the peer-uid
+    ///   check (`SO_PEERCRED`) is what refuses everyone else.
     fn for_config(config: &Config) -> Modes {
         let me = nix::unistd::geteuid().as_raw();
         let others_serve = !config.control.allowed_uids.is_empty();
@@ -230,7 +271,11 @@ impl Modes {
             } else {
                 0o700
             },
-            socket: if others_serve { 0o666 } else { 0o600 },
+            socket: if others_serve || others_work {
+                0o666
+            } else {
+                0o600
+            },
         }
     }
 }
@@ -308,7 +353,7 @@ fn same_file(a: &Path, b: &Path) -> bool {
 async fn accept_loop(
     listener: UnixListener,
     shared: Rc<Shared>,
-    allowed: Vec<u32>,
+    allowed: Allowed,
     connections: Arc<Semaphore>,
     max_connections: u32,
     mut stopping: watch::Receiver<bool>,
@@ -326,11 +371,8 @@ async fn accept_loop(
                 continue;
             }
         };
-        let peer = match stream.peer_cred() {
-            Ok(cred) => Peer {
-                uid: cred.uid(),
-                pid: cred.pid(),
-            },
+        let cred = match stream.peer_cred() {
+            Ok(cred) => cred,
             Err(e) => {
                 tracing::warn!(error = %e, "control: cannot read the peer's credentials; refusing");
                 actix_rt::spawn(refuse(
@@ -341,15 +383,20 @@ async fn accept_loop(
                 continue;
             }
         };
-        if !allowed.contains(&peer.uid) {
-            tracing::warn!(uid = peer.uid, pid = ?peer.pid, "control: refused a peer uid");
+        let Some(role) = allowed.role(cred.uid()) else {
+            tracing::warn!(uid = cred.uid(), pid = ?cred.pid(), "control: refused a peer uid");
             let msg = format!(
-                "uid {} may not use this socket (allowed: root, the supervisor's uid, and [control] allowed_uids)",
-                peer.uid
+                "uid {} may not use this socket (allowed: root, the supervisor's uid, [control] allowed_uids, and the assignees' users for their own runs)",
+                cred.uid()
             );
             actix_rt::spawn(refuse(stream, code::UNAUTHORIZED, msg));
             continue;
-        }
+        };
+        let peer = Peer {
+            uid: cred.uid(),
+            pid: cred.pid(),
+            role,
+        };
         match connections.clone().try_acquire_owned() {
             Ok(permit) => {
                 actix_rt::spawn(conn::serve(stream, shared.clone(), peer, permit));
