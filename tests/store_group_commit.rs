@@ -7,7 +7,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::board::{events_of, kinds, temp_board};
 use runwarden::actors::store::{EventFeed, Flush, StoreActor};
