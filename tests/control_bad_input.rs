@@ -5,15 +5,22 @@
 //!   what was wrong, and the same connection goes on;
 //! - a line over `max_request_bytes`: `too_large`, then the connection is closed;
 //! - a client silent for `idle_timeout`: `idle_timeout`, then closed;
-//! - connections beyond `max_connections`: one `too_many_connections` line, then closed.
+//! - connections beyond `max_connections`: one `too_many_connections` line, then closed;
+//! - a string `id` over 256 bytes: `bad_request` with `"id":null`;
+//! - a `list_tasks` limit over 10000: clamped to 10000;
+//! - a client that sends requests but does not read the replies: the server stops reading
+//!   it once 8 MiB of replies wait, and answers everything once the client reads.
 
 #[allow(dead_code)]
 mod common;
 
 use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::control_daemon::{Daemon, RawConn, SETTLE, error_code};
+use common::control_daemon::{Daemon, RawConn, SETTLE, add_tasks, big_task, error_code};
+use runwarden::board::{NewTask, TaskFilter};
 
 /// A daemon with a short idle timeout, so the idle test takes half a second.
 fn daemon() -> Daemon {
@@ -212,6 +219,112 @@ fn a_client_that_vanishes_mid_request_does_not_hurt_the_daemon() {
         }
         drop(c);
     }
+    d.client().status().expect("still serving");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_long_string_id_is_refused_without_being_echoed() {
+    let mut d = daemon();
+    let mut c = d.raw();
+    c.hello();
+    let long = "i".repeat(257);
+    let r = c.call(&format!(r#"{{"id":"{long}","op":"status"}}"#));
+    assert_eq!(error_code(&r), "bad_request");
+    assert_eq!(
+        r["id"],
+        serde_json::Value::Null,
+        "the long id is not echoed"
+    );
+    assert!(message(&r).contains("at most 256 bytes"), "{r}");
+    // 256 bytes is fine, and the connection went on.
+    let ok = "i".repeat(256);
+    let r = c.call(&format!(r#"{{"id":"{ok}","op":"status"}}"#));
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["id"], ok.as_str());
+    d.assert_healthy();
+}
+
+#[test]
+fn a_list_tasks_limit_over_the_maximum_is_clamped() {
+    let mut d = Daemon::start("synchronous = \"normal\"", "");
+    let mut c = d.client();
+    add_tasks(
+        &mut c,
+        (0..10_001).map(|i| NewTask::titled(format!("t{i}"))),
+    );
+    let list = |c: &mut runwarden::control::client::Client, limit| {
+        c.list_tasks(&TaskFilter {
+            limit: Some(limit),
+            ..TaskFilter::default()
+        })
+        .expect("list_tasks")
+        .len()
+    };
+    assert_eq!(list(&mut c, 50_000), 10_000, "clamped to the maximum");
+    assert_eq!(list(&mut c, u32::MAX), 10_000);
+    assert_eq!(list(&mut c, 10_000), 10_000);
+    assert_eq!(list(&mut c, 7), 7, "a smaller limit is kept");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_client_that_does_not_read_is_held_back_and_then_answered_in_full() {
+    // The default idle timeout (30 s): the stalled writes below must not be cut off.
+    let mut d = Daemon::start("", "");
+    // 32 tasks of 2 × 16 KiB: each `list_tasks` reply is about 1 MiB.
+    add_tasks(&mut d.client(), (0..32).map(|i| big_task(i, 16 * 1024)));
+    const REQUESTS: usize = 100;
+    let mut c = d.raw();
+    c.hello();
+    // Each request padded to 32 KiB (JSON allows the spaces), so the socket buffers hold only
+    // a few of them: a server that stops reading shows up as writes that stop completing.
+    let padded = |i: usize| {
+        let mut line = format!(r#"{{"id":{i},"op":"list_tasks"}}"#).into_bytes();
+        line.pop();
+        line.resize(32 * 1024 - 2, b' ');
+        line.extend_from_slice(b"}\n");
+        line
+    };
+    let sent = Arc::new(AtomicUsize::new(0));
+    let mut w = c.writer.try_clone().unwrap();
+    let writer = {
+        let sent = sent.clone();
+        std::thread::spawn(move || {
+            for i in 1..=REQUESTS {
+                w.write_all(&padded(i)).expect("write a request");
+                sent.store(i, Ordering::SeqCst);
+            }
+        })
+    };
+    // Wait until the writes stop completing (no progress for a second), or all went out.
+    let mut last = (0, Instant::now());
+    let stalled = common::proc_guard::wait_until(SETTLE, || {
+        let now = sent.load(Ordering::SeqCst);
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+        now == REQUESTS || last.1.elapsed() >= Duration::from_secs(1)
+    });
+    assert!(stalled, "the writes neither stalled nor finished");
+    let held_at = sent.load(Ordering::SeqCst);
+    // 8 MiB of ~1 MiB replies, plus what the socket buffers hold: far from all of them. A
+    // server without the bound would have read (and answered into memory) every request.
+    assert!(
+        held_at < REQUESTS / 2,
+        "the server kept reading a client that does not read: {held_at} requests taken"
+    );
+    // Nothing was dropped: once the client reads, every request is answered, in order.
+    for i in 1..=REQUESTS {
+        let r = c.recv().expect("a reply");
+        assert_eq!(r["id"], i, "in order");
+        assert_eq!(
+            r["result"]["tasks"].as_array().map(Vec::len),
+            Some(32),
+            "{i}"
+        );
+    }
+    writer.join().unwrap();
     d.client().status().expect("still serving");
     d.assert_healthy();
 }

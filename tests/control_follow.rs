@@ -2,18 +2,25 @@
 //! thousand tasks run: followed from id 0 until all are done, the stream equals the log read
 //! back afterwards. A second follower joins in the middle of the run (backlog and live feed
 //! overlap then) and must agree too.
+//!
+//! And the stream's limits: at most four per connection; a client that half-closes keeps its
+//! streams, one that closes frees its slot; a slow reader is served in full however long it
+//! takes, while one that stops reading is cut off after `idle_timeout` and frees its slot.
 
 #[allow(dead_code)]
 mod common;
 
 use std::collections::HashSet;
+use std::io::Read;
+use std::net::Shutdown;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::control_daemon::Daemon;
+use common::control_daemon::{Daemon, RawConn, SETTLE, add_tasks, big_task, error_code};
+use common::proc_guard::wait_until;
 use runwarden::board::{Event, EventId, NewTask, TaskId};
 use runwarden::control::client::{Client, ClientError};
-use runwarden::control::protocol::{Request, Response};
+use runwarden::control::protocol::{Events, Request, Response};
 
 const TASKS: usize = 1000;
 /// Bound for the whole run (1000 `true` workers, 8 at a time, on 2 cores).
@@ -133,5 +140,190 @@ fn follow_delivers_every_event_in_order_while_a_thousand_tasks_run() {
     );
     let done = log.iter().filter(|e| e.kind == "completed").count();
     assert_eq!(done, TASKS);
+    d.assert_healthy();
+}
+
+/// True when a new client gets a slot and is served.
+fn served(d: &Daemon) -> bool {
+    Client::connect(&d.socket)
+        .and_then(|mut c| c.hello())
+        .is_ok()
+}
+
+/// A client served as soon as a slot is free (a closed connection frees its slot once the
+/// server has seen the close).
+fn client_when_free(d: &Daemon) -> Client {
+    let mut client = None;
+    assert!(
+        wait_until(SETTLE, || {
+            client = Client::connect(&d.socket)
+                .and_then(|mut c| c.hello().map(|_| c))
+                .ok();
+            client.is_some()
+        }),
+        "no slot freed"
+    );
+    client.unwrap()
+}
+
+#[test]
+fn a_connection_may_follow_at_most_four_streams() {
+    let mut d = Daemon::start("", "");
+    let mut c = d.raw();
+    c.hello();
+    for id in 1..=4 {
+        let r = c.call(&format!(r#"{{"id":{id},"op":"events","follow":true}}"#));
+        assert_eq!(r["result"]["following"], true, "{r}");
+    }
+    let r = c.call(r#"{"id":5,"op":"events","follow":true}"#);
+    assert_eq!(error_code(&r), "too_many_streams", "{r}");
+    assert_eq!(r["id"], 5);
+    // The connection goes on, and its four streams still deliver.
+    d.client().add_task(&NewTask::titled("one")).unwrap();
+    let mut got = HashSet::new();
+    while got.len() < 4 {
+        let ev = c.recv().expect("an event on each stream");
+        assert_eq!(ev["event"]["kind"], "created", "{ev}");
+        assert!(
+            got.insert(ev["id"].as_u64().unwrap()),
+            "one event per stream: {ev}"
+        );
+    }
+    assert_eq!(got, (1..=4).collect());
+    let r = c.call(r#"{"id":6,"op":"status"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_half_closed_client_keeps_its_streams_and_a_closed_one_frees_its_slot() {
+    // Two slots: the follower's, and the adder's. The default idle timeout (30 s) is far
+    // longer than any wait below.
+    let mut d = Daemon::start("", "[control]\nmax_connections = 2\n");
+    let mut f = d.raw();
+    f.hello();
+    // A follow and a status, then the end of the client's input (`socat` when its stdin ends).
+    f.send(b"{\"id\":1,\"op\":\"events\",\"follow\":true}\n{\"id\":2,\"op\":\"status\"}\n");
+    f.writer.shutdown(Shutdown::Write).unwrap();
+    assert_eq!(f.recv().unwrap()["result"]["following"], true);
+    assert_eq!(
+        f.recv().unwrap()["id"],
+        2,
+        "a request sent before the half-close is answered"
+    );
+    let mut adder = d.client();
+    adder
+        .add_task(&NewTask::titled("after the half-close"))
+        .unwrap();
+    let ev = f.recv().expect("events still come after the half-close");
+    assert_eq!(ev["id"], 1, "{ev}");
+    assert_eq!(ev["event"]["kind"], "created", "{ev}");
+
+    // Closed altogether, with no event to write that would show it: the slot is freed anyway.
+    drop(f);
+    assert!(
+        wait_until(Duration::from_secs(10), || served(&d)),
+        "a closed follower still holds its slot"
+    );
+    adder.status().expect("the adder is still served");
+    d.assert_healthy();
+}
+
+/// Reads `lines` lines at about 640 KiB/s (16 KiB per 25 ms): slowly, but never stuck.
+fn read_lines_slowly(c: &mut RawConn, lines: usize) -> Vec<serde_json::Value> {
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    let mut chunk = vec![0; 16 * 1024];
+    while out.len() < lines {
+        let n = c.reader.read(&mut chunk).expect("read");
+        assert!(n > 0, "closed after {} of {lines} lines", out.len());
+        buf.extend_from_slice(&chunk[..n]);
+        while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=pos).collect();
+            out.push(serde_json::from_slice(&line).expect("a JSON line"));
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert!(buf.is_empty(), "more than {lines} lines");
+    out
+}
+
+#[test]
+fn a_slow_but_steady_reader_is_served_in_full() {
+    let idle = Duration::from_millis(500);
+    let mut d = Daemon::start("", "[control]\nidle_timeout = \"500ms\"\n");
+    // 40 tasks of 2 × 32 KiB: a 2.5 MiB `list_tasks` reply, and 1.25 MiB of `created` events.
+    let ids = add_tasks(&mut d.client(), (0..40).map(|i| big_task(i, 32 * 1024)));
+    let mut c = d.raw();
+    c.hello();
+    let start = Instant::now();
+    c.send(b"{\"id\":1,\"op\":\"list_tasks\"}\n");
+    let reply = read_lines_slowly(&mut c, 1).remove(0);
+    assert_eq!(reply["id"], 1);
+    assert_eq!(reply["result"]["tasks"].as_array().map(Vec::len), Some(40));
+    // The same through a stream: the backlog of a `watch --since 0`.
+    c.send(b"{\"id\":2,\"op\":\"events\",\"follow\":true}\n");
+    let lines = read_lines_slowly(&mut c, 1 + ids.len());
+    assert_eq!(lines[0]["result"]["following"], true, "{}", lines[0]);
+    let created: Vec<i64> = lines[1..]
+        .iter()
+        .map(|l| {
+            assert_eq!(l["id"], 2, "{l}");
+            l["event"]["task_id"].as_i64().unwrap()
+        })
+        .collect();
+    assert_eq!(created, ids, "every event, in order");
+    // The premise: the transfer took many idle timeouts, so no timeout may cover it whole.
+    assert!(
+        start.elapsed() > 4 * idle,
+        "too fast to matter: {:?}",
+        start.elapsed()
+    );
+    let r = c.call(r#"{"id":3,"op":"status"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_follower_that_stops_reading_is_cut_off_and_its_slot_freed() {
+    // One slot, so a newcomer is served only once the stuck follower's slot is free.
+    let mut d = Daemon::start(
+        "",
+        "[control]\nidle_timeout = \"500ms\"\nmax_connections = 1\n",
+    );
+    // 64 `created` events of 32 KiB each: far more than the socket buffers hold.
+    add_tasks(
+        &mut client_when_free(&d),
+        (0..64).map(|i| big_task(i, 32 * 1024)),
+    );
+    let mut stuck = client_when_free(&d);
+    stuck
+        .send(&Request::Events(Events {
+            follow: true,
+            ..Events::default()
+        }))
+        .unwrap();
+    stuck.flush().unwrap();
+    let start = Instant::now();
+    // It never reads: the writes stall, the server gives up after idle_timeout, and the slot
+    // is free at once, although the connection has a stream open and said nothing more.
+    assert!(
+        wait_until(Duration::from_secs(10), || served(&d)),
+        "the stuck follower's slot was never freed"
+    );
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(400),
+        "freed before a write could have been stuck for idle_timeout: {waited:?}"
+    );
+    // The server closed its end: past what the socket buffers held, the client reads the end.
+    stuck.set_read_timeout(Some(SETTLE)).unwrap();
+    loop {
+        match stuck.recv() {
+            Ok(_) => continue,
+            Err(ClientError::Closed) => break,
+            Err(e) => panic!("expected the end of the stream, got {e:?}"),
+        }
+    }
     d.assert_healthy();
 }

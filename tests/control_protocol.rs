@@ -1,6 +1,7 @@
 //! The control protocol against a real `runwarden serve` on a real socket: the hello
 //! handshake, every op's answer, errors as responses, pipelining (order and throughput), the
-//! socket's modes, a stale socket replaced, a live one refused, and `shutdown`.
+//! socket's modes, a stale socket replaced, a live one refused, and `shutdown`; a `comment`
+//! without an author gets the peer's user name and still commits in arrival order.
 
 #[allow(dead_code)]
 mod common;
@@ -242,6 +243,57 @@ fn pipelined_requests_are_answered_in_order_and_fast() {
     }
     let counts = c.status().unwrap().counts;
     assert_eq!(counts["ready"] + counts["done"], N as i64);
+}
+
+#[test]
+fn a_comment_without_author_gets_the_peers_name_and_keeps_its_place() {
+    let mut d = Daemon::start("", "");
+    let mut c = d.raw();
+    c.hello();
+    let task = c.call(r#"{"id":1,"op":"add_task","title":"t"}"#)["result"]["id"]
+        .as_i64()
+        .unwrap();
+    // Pipelined in one write: the first needs the user-name lookup, the second does not, and
+    // must not overtake it; the third finds the name already known.
+    c.send(
+        format!(
+            "{{\"id\":2,\"op\":\"comment\",\"task\":{task},\"body\":\"first\"}}\n\
+             {{\"id\":3,\"op\":\"comment\",\"task\":{task},\"body\":\"second\",\"author\":\"x\"}}\n\
+             {{\"id\":4,\"op\":\"comment\",\"task\":{task},\"body\":\"third\"}}\n"
+        )
+        .as_bytes(),
+    );
+    let ids: Vec<i64> = (2..=4)
+        .map(|id| {
+            let r = c.recv().expect("a reply");
+            assert_eq!(r["id"], id, "in order: {r}");
+            r["result"]["comment_id"].as_i64().expect("a comment id")
+        })
+        .collect();
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "committed out of arrival order: {ids:?}"
+    );
+    let uid = nix::unistd::getuid();
+    let me = match nix::unistd::User::from_uid(uid) {
+        Ok(Some(user)) => user.name,
+        _ => format!("uid {uid}"),
+    };
+    let detail = d.client().show_task(task, None).expect("show_task");
+    let comments: Vec<(&str, &str)> = detail
+        .comments
+        .iter()
+        .map(|c| (c.author.as_str(), c.body.as_str()))
+        .collect();
+    assert_eq!(
+        comments,
+        [
+            (me.as_str(), "first"),
+            ("x", "second"),
+            (me.as_str(), "third")
+        ]
+    );
+    d.assert_healthy();
 }
 
 #[test]

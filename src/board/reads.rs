@@ -16,6 +16,9 @@ pub(super) const NO_LIVE_PREVIOUS_WORKER: &str = "AND NOT EXISTS (SELECT 1 FROM 
 
 /// Most tasks `list_tasks` returns without an explicit limit.
 const DEFAULT_LIST_LIMIT: u32 = 1000;
+/// Most tasks `list_tasks` returns at all: a larger `limit` is clamped to it (as an `events`
+/// page is), so one request cannot make the supervisor build an unbounded reply.
+const MAX_LIST_LIMIT: u32 = 10_000;
 
 impl Tx<'_> {
     /// One task.
@@ -91,7 +94,8 @@ impl Tx<'_> {
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
-    /// Tasks matching `filter`, newest first.
+    /// Tasks matching `filter`, newest first; at most `filter.limit` (default 1000), and never
+    /// more than 10 000.
     pub fn list_tasks(&self, filter: &TaskFilter) -> Result<Vec<Task>> {
         let sql = format!(
             "SELECT {TASK_COLS} FROM tasks WHERE (?1 IS NULL OR status = ?1) \
@@ -102,7 +106,10 @@ impl Tx<'_> {
             params![
                 filter.status.map(|s| s.as_str()),
                 filter.assignee,
-                filter.limit.unwrap_or(DEFAULT_LIST_LIMIT)
+                filter
+                    .limit
+                    .unwrap_or(DEFAULT_LIST_LIMIT)
+                    .min(MAX_LIST_LIMIT)
             ],
             rows::task,
         )?;

@@ -273,6 +273,7 @@ pub struct TaskDetail {
 pub struct TaskFilter {
     pub status: Option<TaskStatus>,
     pub assignee: Option<String>,
+    /// At most this many (default 1000; values above 10 000 are clamped to 10 000).
     pub limit: Option<u32>,
 }
 

@@ -45,7 +45,7 @@ pub struct LsArgs {
     /// Only tasks of this assignee.
     #[arg(long, short)]
     pub assignee: Option<String>,
-    /// At most this many (default 1000).
+    /// At most this many (default 1000, at most 10000).
     #[arg(long)]
     pub limit: Option<u32>,
 }

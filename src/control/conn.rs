@@ -5,28 +5,32 @@
 //! - the **reader loop** (this function) reads a line, parses it and starts its request as a
 //!   future in a [`FuturesOrdered`] window, without waiting for earlier replies;
 //! - the **window** yields the replies in request order; each goes to the writer;
-//! - the **writer task** writes queued lines, batching whatever has queued up into one flush.
+//! - the **writer task** ([`super::out`]) writes queued lines, several per write call.
 //!
 //! Writes (`add_task`, `complete`, …) pipeline: each is submitted to the store the moment it is
 //! first polled, in arrival order, so a burst of them lands in one group commit. Every other op
 //! (reads, `status`, `events`, `shutdown`) waits until everything before it on the connection
 //! has been answered, so it sees their effects. `events --follow` turns into a stream task that
 //! writes event lines through the same writer.
+//!
+//! Memory per connection is bounded: at most [`WINDOW`] requests in flight, and no new request
+//! is started while [`MAX_QUEUED_BYTES`](super::out::MAX_QUEUED_BYTES) of replies wait for a client that reads too slowly.
 
 use std::rc::Rc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use futures::future::LocalBoxFuture;
-use futures::stream::FuturesOrdered;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, BufWriter};
+use futures::stream::{FuturesOrdered, FuturesUnordered};
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::UnixStream;
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::net::unix::OwnedReadHalf;
+use tokio::sync::{OnceCell, OwnedSemaphorePermit};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::ops::{self, Outcome};
+use super::out::Out;
 use super::protocol::{
     self, HelloReply, PROTOCOL_MAJOR, PROTOCOL_VERSION, Request, RequestId, Response, code,
 };
@@ -34,18 +38,23 @@ use super::server::{Peer, Shared};
 
 /// Requests of one connection in flight at once; reading pauses while the window is full.
 const WINDOW: usize = 1024;
-/// Response lines queued for the writer before the reader waits for it.
-const OUT_QUEUE: usize = 1024;
+/// Followed `events` streams open at once on one connection: each reads the board through the
+/// shared read pool while it catches up, so one client must not start arbitrarily many.
+const MAX_STREAMS: usize = 4;
 /// Read buffer size.
 const READ_BUF: usize = 64 * 1024;
-/// Write buffer size (lines are batched into one flush).
-const WRITE_BUF: usize = 64 * 1024;
 /// How long the last lines (a refusal, the final replies) may take to write on close.
 const CLOSE_DRAIN: Duration = Duration::from_secs(2);
+/// How often a connection whose client has shut down its sending side, but still has streams
+/// open, checks whether the client has closed the socket altogether.
+const HANGUP_PROBE: Duration = Duration::from_secs(1);
 
 /// Per-connection state the ops may read.
 pub(super) struct Session {
     pub peer: Peer,
+    /// The peer's user name (the default `comment` author), looked up at most once, on a
+    /// blocking thread (see `ops::comment`).
+    pub user_name: Rc<OnceCell<String>>,
     hello: bool,
 }
 
@@ -63,45 +72,75 @@ pub(super) async fn serve(
     _permit: OwnedSemaphorePermit,
 ) {
     let (rd, wr) = stream.into_split();
-    let (out, out_rx) = mpsc::channel::<Vec<u8>>(OUT_QUEUE);
-    let writer = actix_rt::spawn(write_lines(wr, out_rx, shared.idle_timeout));
+    let (out, mut writer) = Out::start(wr, shared.idle_timeout);
     let mut reader = BufReader::with_capacity(READ_BUF, rd);
     let mut partial = Vec::new();
-    let mut session = Session { peer, hello: false };
+    let mut session = Session {
+        peer,
+        user_name: Rc::new(OnceCell::new()),
+        hello: false,
+    };
     let mut window: FuturesOrdered<LocalBoxFuture<'static, Outcome>> = FuturesOrdered::new();
     // A request that must wait for the window to drain before it starts.
     let mut held: Option<(RequestId, Request)> = None;
-    let mut streams: Vec<JoinHandle<()>> = Vec::new();
+    // True while the request in the window must be answered before anything else is read.
+    let mut exclusive = false;
+    let mut streams: FuturesUnordered<JoinHandle<()>> = FuturesUnordered::new();
     let mut stopping = shared.stopping.clone();
     let idle = shared.idle_timeout;
     let idle_timer = tokio::time::sleep(idle);
     tokio::pin!(idle_timer);
+    let mut hangup_probe = tokio::time::interval(HANGUP_PROBE);
+    hangup_probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut was_idle = true;
     let mut eof = false;
     let mut closing = *stopping.borrow();
+    // The client can no longer be written to: end without last words.
+    let mut gone = false;
     let mut last_words: Option<Vec<u8>> = None;
 
     loop {
-        if window.is_empty()
-            && let Some((id, req)) = held.take()
-        {
-            window.push_back(ops::start(&shared, &session, id, req));
+        if window.is_empty() {
+            exclusive = false;
+            // Over the bound, the held request waits too: starting it would add a reply.
+            if !out.over()
+                && let Some((id, req)) = held.take()
+            {
+                exclusive = waits_for_user_name(&req);
+                window.push_back(start_held(&shared, &session, id, req, streams.len()));
+            }
         }
-        streams.retain(|s| !s.is_finished());
-        if window.is_empty() && held.is_none() && (eof || closing) {
+        // After EOF the connection lives on while streams are open: a client that shut down
+        // only its sending side (`socat` after its stdin ends) still reads its events.
+        if window.is_empty() && held.is_none() && ((eof && streams.is_empty()) || closing) {
             break;
         }
-        let reading = !eof && !closing && held.is_none() && window.len() < WINDOW;
-        // Idle means: nothing in flight, no stream, and no complete request for idle_timeout.
-        let idle_now = reading && window.is_empty() && streams.is_empty();
+        let reading = !eof
+            && !closing
+            && held.is_none()
+            && !exclusive
+            && window.len() < WINDOW
+            && !out.over();
+        // Idle means: nothing in flight, no stream, every reply written, and no line (a
+        // request or a blank keep-alive) for idle_timeout. A client still reading a long
+        // reply is not idle; one that stopped reading is cut off by the writer instead.
+        let idle_now = reading && window.is_empty() && streams.is_empty() && !out.pending();
         if idle_now && !was_idle {
             idle_timer
                 .as_mut()
                 .reset(Instant::from_std(crate::deadline_after(idle)));
         }
         was_idle = idle_now;
+        // Wake on the writer's progress while it decides what the loop may do next: whether
+        // it may start requests again, or whether the connection has become idle.
+        let watch_writer =
+            out.over() || (reading && window.is_empty() && streams.is_empty() && out.pending());
         tokio::select! {
             biased;
+            _ = out.closed() => {
+                gone = true;
+                break; // The writer gave up (the peer stopped reading, or closed): end now.
+            }
             _ = stopping.changed(), if !closing => {
                 closing = true;
             }
@@ -110,13 +149,18 @@ pub(super) async fn serve(
                     Outcome::Line(line) => (line, None),
                     Outcome::Stream(line, stream) => (line, Some(stream)),
                 };
-                if out.send(line).await.is_err() {
-                    break; // The writer is gone: the peer closed or stopped reading.
+                if out.push(line).is_err() {
+                    gone = true;
+                    break;
                 }
                 if let Some(stream) = stream {
                     streams.push(actix_rt::spawn(stream(out.clone())));
                 }
             }
+            // A stream ended (its writer is gone, or the board failed it); the loop
+            // re-checks whether the connection is done.
+            Some(_) = streams.next(), if !streams.is_empty() => {}
+            _ = out.written(), if watch_writer => {}
             line = read_line(&mut reader, &mut partial, shared.max_request_bytes), if reading => {
                 match line {
                     Ok(Some(line)) => {
@@ -141,17 +185,67 @@ pub(super) async fn serve(
                 last_words = Some(Response::error(None, code::IDLE_TIMEOUT, msg).to_line());
                 closing = true;
             }
+            _ = hangup_probe.tick(), if eof && !streams.is_empty() => {
+                if peer_hung_up(&reader) {
+                    gone = true;
+                    break;
+                }
+            }
         }
     }
     // Streams write through `out`; end them so the writer can finish.
-    for s in &streams {
+    for s in streams.iter() {
         s.abort();
     }
-    if let Some(line) = last_words {
-        let _ = out.send(line).await;
+    if !gone && let Some(line) = last_words {
+        let _ = out.push(line);
     }
     drop(out);
-    let _ = tokio::time::timeout(CLOSE_DRAIN, writer).await;
+    if tokio::time::timeout(CLOSE_DRAIN, &mut writer)
+        .await
+        .is_err()
+    {
+        // Do not leave a writer behind holding the socket after the slot is freed.
+        writer.abort();
+    }
+}
+
+/// True when the client has closed its end entirely (not just shut down its sending side):
+/// the kernel reports a hang-up only once both directions are shut.
+fn peer_hung_up(reader: &BufReader<OwnedReadHalf>) -> bool {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let stream: &tokio::net::UnixStream = reader.get_ref().as_ref();
+    let mut fds = [PollFd::new(stream, PollFlags::empty())];
+    match poll(&mut fds, 0) {
+        Ok(_) => fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR),
+        Err(_) => false,
+    }
+}
+
+/// Starts a request that waited for the window to drain; a follow beyond [`MAX_STREAMS`] is
+/// refused here, where every earlier stream of the connection is known.
+fn start_held(
+    shared: &Rc<Shared>,
+    session: &Session,
+    id: RequestId,
+    req: Request,
+    open_streams: usize,
+) -> LocalBoxFuture<'static, Outcome> {
+    if matches!(&req, Request::Events(e) if e.follow) && open_streams >= MAX_STREAMS {
+        let msg = format!(
+            "this connection already has {MAX_STREAMS} events streams open (the most allowed); \
+             follow on another connection"
+        );
+        let line = Response::error(Some(id), code::TOO_MANY_STREAMS, msg).to_line();
+        return Box::pin(std::future::ready(Outcome::Line(line)));
+    }
+    ops::start(shared, session, id, req)
+}
+
+/// A `comment` whose author is the peer's user name, not looked up yet: it must wait for the
+/// lookup, and nothing after it may start meanwhile, or a later write would commit first.
+fn waits_for_user_name(req: &Request) -> bool {
+    matches!(req, Request::Comment(c) if c.author.is_none())
 }
 
 /// Handles one complete line: an immediate answer, a started request, or a held one.
@@ -167,7 +261,7 @@ fn on_line(
     let answer = |r: Response| -> Option<LocalBoxFuture<'static, Outcome>> {
         Some(Box::pin(std::future::ready(Outcome::Line(r.to_line()))))
     };
-    let (id, req) = match protocol::parse_request(line) {
+    let (id, mut req) = match protocol::parse_request(line) {
         Ok(parsed) => parsed,
         Err(e) => return answer(Response::error(e.id, code::BAD_REQUEST, e.message)),
     };
@@ -183,7 +277,13 @@ fn on_line(
             ),
         ));
     }
-    if req.is_pipelined_write() {
+    if let Request::Comment(c) = &mut req
+        && c.author.is_none()
+        && let Some(name) = session.user_name.get()
+    {
+        c.author = Some(name.clone());
+    }
+    if req.is_pipelined_write() && !waits_for_user_name(&req) {
         Some(ops::start(shared, session, id, req))
     } else {
         // Started by the loop once every earlier request has been answered.
@@ -257,24 +357,4 @@ async fn read_line(
             return Ok(Some(std::mem::take(partial)));
         }
     }
-}
-
-/// Writes queued lines, one flush per batch. Gives up (closing the connection) when the peer
-/// does not take a write for `stall` — a client that never reads must not hold its slot.
-async fn write_lines(wr: OwnedWriteHalf, mut lines: mpsc::Receiver<Vec<u8>>, stall: Duration) {
-    let mut w = BufWriter::with_capacity(WRITE_BUF, wr);
-    while let Some(line) = lines.recv().await {
-        let batch = async {
-            w.write_all(&line).await?;
-            while let Ok(more) = lines.try_recv() {
-                w.write_all(&more).await?;
-            }
-            w.flush().await
-        };
-        match tokio::time::timeout(stall, batch).await {
-            Ok(Ok(())) => {}
-            _ => return,
-        }
-    }
-    let _ = tokio::time::timeout(stall, w.shutdown()).await;
 }

@@ -18,9 +18,10 @@ use std::rc::Rc;
 
 use futures::FutureExt;
 use futures::future::LocalBoxFuture;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::broadcast;
 
 use super::ops::{OpError, Outcome, respond};
+use super::out::Out;
 use super::protocol::{Events, FollowReply, RequestId, Response};
 use super::server::Shared;
 use crate::actors::store::{EventFeed, Store};
@@ -75,7 +76,7 @@ struct Follower {
 
 impl Follower {
     /// Streams until the connection's writer goes away or the store stops.
-    async fn run(mut self, out: mpsc::Sender<Vec<u8>>) {
+    async fn run(mut self, out: Out) {
         loop {
             // Step 2: catch up from the board.
             if !self.catch_up(&out).await {
@@ -104,7 +105,7 @@ impl Follower {
     }
 
     /// Sends every board event after `last`; false when the stream must end.
-    async fn catch_up(&mut self, out: &mpsc::Sender<Vec<u8>>) -> bool {
+    async fn catch_up(&mut self, out: &Out) -> bool {
         loop {
             let (task, after) = (self.task, self.last);
             let page = self
@@ -122,6 +123,7 @@ impl Follower {
                         e.code,
                         format!("events stream ended: {}", e.message),
                     );
+                    // Under the follow's own id: the client learns which stream ended and why.
                     let _ = out.send(line.to_line()).await;
                     return false;
                 }
@@ -139,7 +141,7 @@ impl Follower {
     }
 
     /// Sends `ev` unless already accounted for or filtered out; false when the writer is gone.
-    async fn send(&mut self, ev: &Event, out: &mpsc::Sender<Vec<u8>>) -> bool {
+    async fn send(&mut self, ev: &Event, out: &Out) -> bool {
         if ev.id <= self.last {
             return true; // Seen in the backlog already.
         }
@@ -151,6 +153,8 @@ impl Follower {
             id: self.id.clone(),
             event: ev.clone(),
         };
+        // Waits while the connection's queue is full: a slow reader slows the stream down
+        // instead of making the supervisor hold the board's whole history for it.
         out.send(line.to_line()).await.is_ok()
     }
 }

@@ -9,13 +9,15 @@
 //!   the parsing of a request line (with `params` naming the offending field of a bad request);
 //! - [`server`]: [`ControlServer`] binds the socket, checks each peer's uid (`SO_PEERCRED`),
 //!   caps the connections; `conn` runs one connection (pipelined requests, ordered replies,
-//!   limits), `ops` implements each op over the store, `follow` streams events without gaps;
+//!   limits), `out` queues its replies (bounded in bytes) for its writer, `ops` implements
+//!   each op over the store, `follow` streams events without gaps;
 //! - [`client`]: a blocking [`client::Client`] with one typed method per op.
 
 pub mod client;
 mod conn;
 mod follow;
 mod ops;
+mod out;
 mod params;
 pub mod protocol;
 pub mod server;

@@ -10,10 +10,10 @@ use std::rc::Rc;
 use futures::FutureExt;
 use futures::future::LocalBoxFuture;
 use serde::Serialize;
-use tokio::sync::mpsc;
 
 use super::conn::Session;
 use super::follow;
+use super::out::Out;
 use super::protocol::{
     Block, CommentReply, CommentReq, Complete, Events, EventsReply, HeartbeatReply, LinkReply,
     LiveWorker, PROTOCOL_VERSION, ReapReply, Reclaim, Request, RequestId, Response, ShutdownReply,
@@ -41,7 +41,7 @@ pub(super) enum Outcome {
 }
 
 /// Starts a stream writing lines into the connection's writer queue.
-pub(super) type StreamStart = Box<dyn FnOnce(mpsc::Sender<Vec<u8>>) -> LocalBoxFuture<'static, ()>>;
+pub(super) type StreamStart = Box<dyn FnOnce(Out) -> LocalBoxFuture<'static, ()>>;
 
 /// A refusal on its way to becoming an error line.
 #[derive(Debug, Clone)]
@@ -70,16 +70,13 @@ impl From<StoreError> for OpError {
 
 /// The response line for a finished request.
 pub(super) fn respond<T: Serialize>(id: Option<RequestId>, result: Result<T, OpError>) -> Vec<u8> {
-    let response = match result.and_then(|v| {
-        serde_json::to_value(v).map_err(|e| OpError {
+    let line = result.and_then(|v| {
+        Response::ok_line(id.as_ref(), &v).map_err(|e| OpError {
             code: code::INTERNAL,
             message: format!("cannot encode the result: {e}"),
         })
-    }) {
-        Ok(result) => Response::Ok { id, result },
-        Err(e) => Response::error(id, e.code, e.message),
-    };
-    response.to_line()
+    });
+    line.unwrap_or_else(|e| Response::error(id, e.code, e.message).to_line())
 }
 
 /// The ops a worker-only peer (see [`Role::Worker`]) may send: reports on a run, each carrying
@@ -359,15 +356,38 @@ fn comment(
     id: Option<RequestId>,
     c: CommentReq,
 ) -> LocalBoxFuture<'static, Outcome> {
-    let author = c.author.unwrap_or_else(|| user_name(session.peer.uid));
-    write(shared, id, move |tx, now| {
-        Ok(CommentReply {
-            comment_id: tx.comment(c.task, &author, &c.body, now)?,
-        })
-    })
+    let add = move |author: String| {
+        move |tx: &Tx<'_>, now| {
+            Ok(CommentReply {
+                comment_id: tx.comment(c.task, &author, &c.body, now)?,
+            })
+        }
+    };
+    if let Some(author) = c.author {
+        return write(shared, id, add(author));
+    }
+    // The default author is the peer's user name. getpwuid_r may ask NSS (LDAP, sssd) and
+    // block for seconds, and this thread serves every connection: look it up on a blocking
+    // thread, once per connection. The connection starts nothing else until this comment is
+    // answered (`conn::waits_for_user_name`), so it still commits in arrival order.
+    let names = session.user_name.clone();
+    let uid = session.peer.uid;
+    let shared = shared.clone();
+    async move {
+        let author = names
+            .get_or_init(|| async move {
+                tokio::task::spawn_blocking(move || user_name(uid))
+                    .await
+                    .unwrap_or_else(|_| format!("uid {uid}"))
+            })
+            .await
+            .clone();
+        write(&shared, id, add(author)).await
+    }
+    .boxed_local()
 }
 
-/// The peer's user name, or `uid N` when it has none.
+/// The peer's user name, or `uid N` when it has none. Blocking (NSS).
 fn user_name(uid: u32) -> String {
     match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
         Ok(Some(user)) => user.name,

@@ -24,6 +24,10 @@ pub const PROTOCOL_VERSION: &str = "1.0";
 /// The major part of [`PROTOCOL_VERSION`].
 pub const PROTOCOL_MAJOR: u64 = 1;
 
+/// Longest string `id` accepted, in bytes. The id is echoed on every reply and on every line of
+/// a followed stream, so an unbounded one would multiply whatever a client sends.
+pub const MAX_ID_BYTES: usize = 256;
+
 /// The stable error codes of [`ErrorBody::code`].
 pub mod code {
     /// The request is malformed: bad JSON, unknown op, a missing or mistyped field, no hello.
@@ -39,6 +43,9 @@ pub mod code {
     pub const TOO_MANY_CONNECTIONS: &str = "too_many_connections";
     /// No request for `idle_timeout`; the connection is closed.
     pub const IDLE_TIMEOUT: &str = "idle_timeout";
+    /// A followed `events` request while the connection already has its maximum of open
+    /// streams; the connection goes on.
+    pub const TOO_MANY_STREAMS: &str = "too_many_streams";
     /// No such task or run.
     pub const NOT_FOUND: &str = "not_found";
     /// The task is not in a state that allows this (e.g. its worker is alive; use `force`).
@@ -115,7 +122,8 @@ requests! {
     Hello(Hello) = "hello";
     /// `{"op":"add_task","title":"x","assignee":"coder"}` → [`crate::board::Created`].
     AddTask(NewTask) = "add_task";
-    /// `{"op":"list_tasks","status":"ready","assignee":"coder","limit":50}` → [`TasksReply`].
+    /// `{"op":"list_tasks","status":"ready","assignee":"coder","limit":50}` → [`TasksReply`]
+    /// (`limit` default 1000, clamped to at most 10000).
     ListTasks(TaskFilter) = "list_tasks";
     /// `{"op":"show_task","task":3}` → [`crate::board::TaskDetail`] (task, links, runs, events, comments).
     ShowTask(ShowTask) = "show_task";
@@ -369,6 +377,28 @@ impl Response {
         }
     }
 
+    /// The line of a success, `{"id":…,"ok":true,"result":…}` and a newline, serialized
+    /// straight from `result` (no intermediate `Value`: a large reply is encoded once).
+    pub fn ok_line<T: Serialize>(
+        id: Option<&RequestId>,
+        result: &T,
+    ) -> Result<Vec<u8>, serde_json::Error> {
+        // Same keys, in the same order, as `Response::Ok` serializes.
+        #[derive(Serialize)]
+        struct OkLine<'a, T> {
+            id: Option<&'a RequestId>,
+            ok: bool,
+            result: &'a T,
+        }
+        let mut line = serde_json::to_vec(&OkLine {
+            id,
+            ok: true,
+            result,
+        })?;
+        line.push(b'\n');
+        Ok(line)
+    }
+
     /// The line to send: compact JSON and a newline.
     pub fn to_line(&self) -> Vec<u8> {
         let mut line = serde_json::to_vec(self).unwrap_or_else(|e| {
@@ -478,6 +508,18 @@ pub fn parse_request(line: &[u8]) -> Result<(RequestId, Request), ParseError> {
             )
         })?,
     };
+    if let RequestId::Str(s) = &id
+        && s.len() > MAX_ID_BYTES
+    {
+        // Not echoed: answering with it would be the amplification the limit prevents.
+        return Err(fail(
+            None,
+            format!(
+                "field `id`: a string id is at most {MAX_ID_BYTES} bytes, got {}",
+                s.len()
+            ),
+        ));
+    }
     let op = match fields.remove("op") {
         Some(Value::String(op)) => op,
         Some(v) => {
@@ -707,6 +749,46 @@ mod tests {
             assert_eq!(line.last(), Some(&b'\n'));
             let back: Response = serde_json::from_slice(&line).unwrap();
             assert_eq!(back, r);
+        }
+    }
+
+    #[test]
+    fn a_long_string_id_is_refused_without_being_echoed() {
+        let at_limit = "i".repeat(MAX_ID_BYTES);
+        let line = format!(r#"{{"id":"{at_limit}","op":"status"}}"#);
+        assert_eq!(
+            parse_request(line.as_bytes()).unwrap().0,
+            RequestId::Str(at_limit)
+        );
+        let over = "i".repeat(MAX_ID_BYTES + 1);
+        let line = format!(r#"{{"id":"{over}","op":"status"}}"#);
+        let e = parse_request(line.as_bytes()).unwrap_err();
+        assert_eq!(e.id, None);
+        assert!(e.message.contains("at most 256 bytes"), "{}", e.message);
+    }
+
+    #[test]
+    fn ok_line_says_what_an_ok_response_says() {
+        let result = HelloReply {
+            protocol: "1.0".into(),
+            server: "x".into(),
+            pid: 7,
+        };
+        for id in [
+            None,
+            Some(RequestId::Num(3)),
+            Some(RequestId::Str("a".into())),
+        ] {
+            let direct = Response::ok_line(id.as_ref(), &result).unwrap();
+            assert_eq!(direct.last(), Some(&b'\n'));
+            assert!(!direct[..direct.len() - 1].contains(&b'\n'), "one line");
+            let expected = Response::Ok {
+                id,
+                result: serde_json::to_value(&result).unwrap(),
+            };
+            // The same object (keys may come in another order: a `Value` sorts them).
+            let back: Response = serde_json::from_slice(&direct).unwrap();
+            assert_eq!(back, expected);
         }
     }
 

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use runwarden::board::{NewTask, TaskId};
 use runwarden::control::client::Client;
+use runwarden::control::protocol::{Request, Response};
 use tempfile::TempDir;
 
 use super::proc_guard::{ChildGuard, wait_until};
@@ -338,6 +340,40 @@ impl RawConn {
     /// True once the server has closed the connection.
     pub fn closed(&mut self) -> bool {
         self.recv().is_none()
+    }
+}
+
+/// Adds `tasks` over `client`, pipelined (up to 256 in flight), and returns their ids in order.
+pub fn add_tasks(client: &mut Client, tasks: impl IntoIterator<Item = NewTask>) -> Vec<TaskId> {
+    const IN_FLIGHT: usize = 256;
+    let mut ids = Vec::new();
+    let mut pending = 0;
+    let mut collect = |client: &mut Client, pending: &mut usize| {
+        for _ in 0..std::mem::take(pending) {
+            match client.recv().expect("an add_task reply") {
+                Response::Ok { result, .. } => ids.push(result["id"].as_i64().expect("an id")),
+                other => panic!("add_task refused: {other:?}"),
+            }
+        }
+    };
+    for task in tasks {
+        client.send(&Request::AddTask(task)).expect("send add_task");
+        pending += 1;
+        if pending == IN_FLIGHT {
+            collect(client, &mut pending);
+        }
+    }
+    collect(client, &mut pending);
+    ids
+}
+
+/// A task whose title and body are each `bytes` long: big replies and big events.
+pub fn big_task(i: usize, bytes: usize) -> NewTask {
+    let mut title = format!("t{i} ");
+    title.extend(std::iter::repeat_n('x', bytes.saturating_sub(title.len())));
+    NewTask {
+        body: "b".repeat(bytes),
+        ..NewTask::titled(title)
     }
 }
 
