@@ -40,6 +40,9 @@ pub enum SupervisorError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+    /// A task named an assignee the config does not have.
+    #[error("{0}")]
+    UnknownAssignee(String),
     #[error("{0}")]
     Runtime(String),
     #[error("timed out after {0:?}")]
@@ -288,6 +291,10 @@ impl SupervisorHandle {
 
     /// Adds a task; it is dispatched at once if an assignee slot is free.
     pub fn add_task(&self, new: NewTask) -> Result<Created, SupervisorError> {
+        self.services
+            .config
+            .check_assignee(new.assignee.as_deref())
+            .map_err(SupervisorError::UnknownAssignee)?;
         block_on(
             self.services
                 .store

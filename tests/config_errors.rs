@@ -412,3 +412,18 @@ fn a_config_built_in_code_is_checked_when_validated() {
     config.validate().expect("daemon exists");
     assert!(config.assignee("coder").unwrap().uid.is_some());
 }
+
+#[test]
+fn a_claim_ttl_under_two_ticks_is_refused() {
+    let message = refused("[supervisor]\ntick = \"1s\"\n[leases]\nclaim_ttl = \"1500ms\"\n");
+    assert!(message.contains("[leases] claim_ttl"), "{message}");
+    assert!(
+        message.contains("at least twice [supervisor] tick (2s)"),
+        "{message}"
+    );
+    let ok = Config::from_toml_str(
+        "[supervisor]\ntick = \"1s\"\n[leases]\nclaim_ttl = \"2s\"\n",
+        Path::new("/tmp"),
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+}

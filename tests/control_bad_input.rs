@@ -9,7 +9,9 @@
 //! - a string `id` over 256 bytes: `bad_request` with `"id":null`;
 //! - a `list_tasks` limit over 10000: clamped to 10000;
 //! - a client that sends requests but does not read the replies: the server stops reading
-//!   it once 8 MiB of replies wait, and answers everything once the client reads.
+//!   it once 8 MiB of replies wait, and answers everything once the client reads;
+//! - a task for an assignee the config does not have: `bad_request` naming the configured
+//!   ones (library: `SupervisorError::UnknownAssignee`), nothing added.
 
 #[allow(dead_code)]
 mod common;
@@ -327,4 +329,41 @@ fn a_client_that_does_not_read_is_held_back_and_then_answered_in_full() {
     writer.join().unwrap();
     d.client().status().expect("still serving");
     d.assert_healthy();
+}
+
+#[test]
+fn a_task_for_an_assignee_that_is_not_configured_is_refused() {
+    let mut d = Daemon::start("", "[assignees.coder]\ncommand = [\"true\"]\n");
+    let mut c = d.raw();
+    c.hello();
+    let r = c.call(r#"{"id":1,"op":"add_task","title":"t","assignee":"codr"}"#);
+    assert_eq!(error_code(&r), "bad_request", "{r}");
+    assert!(
+        message(&r).contains("no assignee `codr`") && message(&r).contains("configured: coder"),
+        "{r}"
+    );
+    let r = c.call(r#"{"id":2,"op":"list_tasks"}"#);
+    assert_eq!(
+        r["result"]["tasks"],
+        serde_json::json!([]),
+        "nothing was added: {r}"
+    );
+    // A configured assignee, or none at all, is fine.
+    let r = c.call(r#"{"id":3,"op":"add_task","title":"t","assignee":"coder"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    let r = c.call(r#"{"id":4,"op":"add_task","title":"unassigned"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    d.assert_healthy();
+
+    // The library refuses it the same way.
+    let dir = tempfile::tempdir().unwrap();
+    let sup = runwarden::Supervisor::start(runwarden::config::Config::with_data_dir(dir.path()))
+        .expect("start a supervisor");
+    match sup.add_task(NewTask::titled("t").for_assignee("codr")) {
+        Err(runwarden::SupervisorError::UnknownAssignee(m)) => {
+            assert!(m.contains("configured: none"), "{m}");
+        }
+        other => panic!("expected UnknownAssignee, got {other:?}"),
+    }
+    sup.shutdown();
 }

@@ -351,6 +351,25 @@ impl Config {
         }
     }
 
+    /// Refuses a task for an assignee this config does not have (a typo would otherwise leave
+    /// the task `ready` for ever, with nothing to run it); a task with no assignee is fine.
+    pub fn check_assignee(&self, name: Option<&str>) -> Result<(), String> {
+        match name {
+            Some(name) if !self.assignees.contains_key(name) => {
+                let known: Vec<&str> = self.assignees.keys().map(String::as_str).collect();
+                Err(format!(
+                    "no assignee `{name}` is configured (configured: {})",
+                    if known.is_empty() {
+                        "none".to_string()
+                    } else {
+                        known.join(", ")
+                    }
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The settings of assignee `name`, if it is configured.
     pub fn assignee(&self, name: &str) -> Option<&AssigneeConfig> {
         self.assignees.get(name)

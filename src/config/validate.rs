@@ -46,6 +46,16 @@ pub(super) fn validate_and_resolve(config: &mut Config, base_dir: &Path) -> Chec
     at_least(s.log_max_bytes, 1024, &["supervisor", "log_max_bytes"])?;
 
     positive(config.leases.claim_ttl, &["leases", "claim_ttl"])?;
+    // Leases are looked after on the tick: one shorter than two ticks could lapse unseen.
+    let tick = config.supervisor.tick;
+    if config.leases.claim_ttl < 2 * tick {
+        let message = format!(
+            "must be at least twice [supervisor] tick ({}), got {}",
+            humantime::format_duration(2 * tick),
+            humantime::format_duration(config.leases.claim_ttl)
+        );
+        return Err(Problem::at(&["leases", "claim_ttl"], message));
+    }
     socket_path(config)?;
 
     let r = &config.retries;

@@ -119,7 +119,16 @@ pub(super) fn start(
             id,
             Err(OpError::bad_request("hello is answered by the connection")),
         )),
-        Request::AddTask(new) => write(shared, id, move |tx, now| tx.create_task(&new, now)),
+        Request::AddTask(new) => {
+            if let Err(message) = shared
+                .services
+                .config
+                .check_assignee(new.assignee.as_deref())
+            {
+                return ready(respond::<()>(id, Err(OpError::bad_request(message))));
+            }
+            write(shared, id, move |tx, now| tx.create_task(&new, now))
+        }
         Request::ListTasks(filter) => read(shared, id, move |tx| {
             Ok(TasksReply {
                 tasks: tx.list_tasks(&filter)?,
