@@ -7,7 +7,8 @@
 //! - a client silent for `idle_timeout`: `idle_timeout`, then closed;
 //! - connections beyond `max_connections`: one `too_many_connections` line, then closed;
 //! - a string `id` over 256 bytes: `bad_request` with `"id":null`;
-//! - a `list_tasks` limit over 10000: clamped to 10000;
+//! - a `list_tasks` limit over 10000: clamped to 10000; a list whose task text is over 16 MiB:
+//!   cut to the newest that fit, marked `truncated`;
 //! - a client that sends requests but does not read the replies: the server stops reading
 //!   it once 8 MiB of replies wait, and answers everything once the client reads;
 //! - a task for an assignee the config does not have: `bad_request` naming the configured
@@ -267,6 +268,44 @@ fn a_list_tasks_limit_over_the_maximum_is_clamped() {
     assert_eq!(list(&mut c, u32::MAX), 10_000);
     assert_eq!(list(&mut c, 10_000), 10_000);
     assert_eq!(list(&mut c, 7), 7, "a smaller limit is kept");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_list_of_tasks_too_big_for_one_reply_is_cut_and_says_so() {
+    use runwarden::control::protocol::MAX_LIST_REPLY_BYTES;
+    let mut d = Daemon::start("synchronous = \"normal\"", "");
+    let mut c = d.client();
+    // 40 tasks of ~900 KB of text each (title + body): ~36 MB, over the 16 MiB a reply holds.
+    let ids = add_tasks(&mut c, (0..40).map(|i| big_task(i, 450_000)));
+    let reply = c
+        .list_tasks_reply(&TaskFilter::default())
+        .expect("list_tasks");
+    assert!(
+        reply.truncated,
+        "{} tasks and not truncated",
+        reply.tasks.len()
+    );
+    let n = reply.tasks.len();
+    assert!((1..40).contains(&n), "{n} tasks");
+    let text: usize = reply
+        .tasks
+        .iter()
+        .map(|t| t.title.len() + t.body.len())
+        .sum();
+    assert!(text <= MAX_LIST_REPLY_BYTES, "{text} bytes of task text");
+    // The newest first, none skipped: the cut only leaves out the oldest.
+    let got: Vec<_> = reply.tasks.iter().map(|t| t.id).collect();
+    let newest: Vec<_> = ids.iter().rev().take(n).copied().collect();
+    assert_eq!(got, newest);
+    // A list that fits says nothing of the kind.
+    let small = c
+        .list_tasks_reply(&TaskFilter {
+            limit: Some(5),
+            ..TaskFilter::default()
+        })
+        .expect("list_tasks");
+    assert_eq!((small.tasks.len(), small.truncated), (5, false));
     d.assert_healthy();
 }
 

@@ -97,6 +97,17 @@ impl Tx<'_> {
     /// Tasks matching `filter`, newest first; at most `filter.limit` (default 1000), and never
     /// more than 10 000.
     pub fn list_tasks(&self, filter: &TaskFilter) -> Result<Vec<Task>> {
+        Ok(self.list_tasks_within(filter, usize::MAX)?.0)
+    }
+
+    /// [`Tx::list_tasks`], stopping once the tasks read hold more than `max_bytes` of text
+    /// (titles, bodies, results); `true` when it stopped early. At least one task is returned:
+    /// a bound on what one reply may hold, however big the tasks are.
+    pub fn list_tasks_within(
+        &self,
+        filter: &TaskFilter,
+        max_bytes: usize,
+    ) -> Result<(Vec<Task>, bool)> {
         let sql = format!(
             "SELECT {TASK_COLS} FROM tasks WHERE (?1 IS NULL OR status = ?1) \
              AND (?2 IS NULL OR assignee = ?2) ORDER BY id DESC LIMIT ?3"
@@ -113,7 +124,20 @@ impl Tx<'_> {
             ],
             rows::task,
         )?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+        let (mut tasks, mut bytes) = (Vec::new(), 0usize);
+        for task in rows {
+            let task = task?;
+            let size = task.title.len()
+                + task.body.len()
+                + task.result.as_ref().map_or(0, String::len)
+                + task.block_reason.as_ref().map_or(0, String::len);
+            if !tasks.is_empty() && bytes.saturating_add(size) > max_bytes {
+                return Ok((tasks, true));
+            }
+            bytes += size;
+            tasks.push(task);
+        }
+        Ok((tasks, false))
     }
 
     /// A task with its links, runs, last `event_limit` events and comments.

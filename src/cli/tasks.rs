@@ -82,7 +82,15 @@ pub fn ls(cli: &Cli, out: Out, args: &LsArgs) -> Result<(), CliError> {
         assignee: args.assignee.clone(),
         limit: args.limit,
     };
-    let tasks = connect(cli)?.list_tasks(&filter)?;
+    let reply = connect(cli)?.list_tasks_reply(&filter)?;
+    if reply.truncated {
+        // On stderr, so `--json` stays one array on stdout.
+        eprintln!(
+            "runwarden: only the newest {} matching tasks fit in one reply; narrow with --status, --assignee or --limit",
+            reply.tasks.len()
+        );
+    }
+    let tasks = reply.tasks;
     if out.json {
         return out.json(&tasks);
     }

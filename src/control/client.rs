@@ -250,11 +250,15 @@ impl Client {
         self.call(&Request::AddTask(new.clone()))
     }
 
-    /// Tasks matching `filter`, newest first.
+    /// Tasks matching `filter`, newest first (as many as fit in one reply: see
+    /// [`Client::list_tasks_reply`] to know whether some were left out).
     pub fn list_tasks(&mut self, filter: &TaskFilter) -> Result<Vec<Task>, ClientError> {
-        Ok(self
-            .call::<TasksReply>(&Request::ListTasks(filter.clone()))?
-            .tasks)
+        Ok(self.list_tasks_reply(filter)?.tasks)
+    }
+
+    /// Tasks matching `filter`, newest first, and whether more matched than one reply holds.
+    pub fn list_tasks_reply(&mut self, filter: &TaskFilter) -> Result<TasksReply, ClientError> {
+        self.call::<TasksReply>(&Request::ListTasks(filter.clone()))
     }
 
     /// A task with its links, runs, recent events (`events`, default 50) and comments.

@@ -16,8 +16,8 @@ use super::follow;
 use super::out::Out;
 use super::protocol::{
     Block, CommentReply, CommentReq, Complete, Events, EventsReply, HeartbeatReply, LinkReply,
-    LiveWorker, PROTOCOL_VERSION, ReapReply, Reclaim, Request, RequestId, Response, ShutdownReply,
-    StatusReply, TaskReply, TasksReply, code,
+    LiveWorker, MAX_LIST_REPLY_BYTES, PROTOCOL_VERSION, ReapReply, Reclaim, Request, RequestId,
+    Response, ShutdownReply, StatusReply, TaskReply, TasksReply, code,
 };
 use super::server::{Role, Shared};
 use crate::actors::reaper::SweepNow;
@@ -130,9 +130,8 @@ pub(super) fn start(
             write(shared, id, move |tx, now| tx.create_task(&new, now))
         }
         Request::ListTasks(filter) => read(shared, id, move |tx| {
-            Ok(TasksReply {
-                tasks: tx.list_tasks(&filter)?,
-            })
+            let (tasks, truncated) = tx.list_tasks_within(&filter, MAX_LIST_REPLY_BYTES)?;
+            Ok(TasksReply { tasks, truncated })
         }),
         Request::ShowTask(s) => read(shared, id, move |tx| {
             tx.task_detail(

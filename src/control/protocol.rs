@@ -569,7 +569,15 @@ pub struct HelloReply {
 pub struct TasksReply {
     /// The tasks.
     pub tasks: Vec<Task>,
+    /// More tasks matched than fit in one reply (their text over
+    /// [`MAX_LIST_REPLY_BYTES`]); absent when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
 }
+
+/// The most task text (titles, bodies, results) one `list_tasks` reply carries; the rest is
+/// left out and the reply says `truncated`.
+pub const MAX_LIST_REPLY_BYTES: usize = 16 * 1024 * 1024;
 
 /// A transition succeeded; the task as it is after it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
