@@ -286,7 +286,7 @@ fn env_names_must_be_portable_and_not_the_supervisors() {
     for reserved in [
         "RUNWARDEN_RUN_TOKEN",
         "RUNWARDEN_TASK_TITLE",
-        "RUNWARDEN_ANYTHING",
+        "RUNWARDEN_SOCKET",
     ] {
         let message = refused(&format!("{CODER}env = {{ {reserved} = \"v\" }}\n"));
         assert!(
@@ -295,8 +295,11 @@ fn env_names_must_be_portable_and_not_the_supervisors() {
         );
         assert!(message.contains("set by the supervisor"), "{message}");
     }
+    // The CLI's own settings inside a worker are the assignee's to set.
     let ok = Config::from_toml_str(
-        &format!("{CODER}env = {{ _UNDER_1 = \"v\", PATH = \"/bin\" }}\n"),
+        &format!(
+            "{CODER}env = {{ _UNDER_1 = \"v\", PATH = \"/bin\", RUNWARDEN_CONNECT_WAIT = \"5s\" }}\n"
+        ),
         Path::new("/tmp"),
     );
     assert!(ok.is_ok(), "{ok:?}");
@@ -316,27 +319,44 @@ fn hook_event_kinds_must_exist() {
 }
 
 #[test]
-fn a_working_directory_must_exist_at_load() {
+fn a_working_directory_must_exist_when_a_supervisor_starts() {
     let dir = tempfile::tempdir().unwrap();
+    let start = |cwd: &Path| {
+        let text = format!("{CODER}cwd = {:?}\n", cwd.display().to_string());
+        // Loading it is fine (other commands load it too, as users who may not reach it)…
+        let mut config = Config::from_toml_str(&text, Path::new("/tmp")).expect("loads");
+        config.supervisor.data_dir = dir.path().join("data");
+        // …a supervisor refuses to start on it.
+        match runwarden::Supervisor::start(config) {
+            Err(runwarden::SupervisorError::Config(ConfigError::Invalid { message, .. })) => {
+                message
+            }
+            Err(other) => panic!("refused for another reason: {other}"),
+            Ok(_) => panic!("a supervisor started with cwd {}", cwd.display()),
+        }
+    };
     let missing = dir.path().join("missing");
-    let message = refused(&format!(
-        "{CODER}cwd = {:?}\n",
-        missing.display().to_string()
-    ));
+    let message = start(&missing);
     assert!(message.contains("[assignees.coder] cwd"), "{message}");
     assert!(message.contains("missing"), "{message}");
-    assert!(!missing.exists(), "nothing is created by a refused config");
+    assert!(!missing.exists(), "nothing is created by a refused start");
 
     let file = dir.path().join("file");
     std::fs::write(&file, "").unwrap();
-    let message = refused(&format!("{CODER}cwd = {:?}\n", file.display().to_string()));
-    assert!(message.contains("is not a directory"), "{message}");
+    assert!(start(&file).contains("is not a directory"));
+}
 
-    let ok = Config::from_toml_str(
-        &format!("{CODER}cwd = {:?}\n", dir.path().display().to_string()),
-        Path::new("/tmp"),
-    );
-    assert!(ok.is_ok(), "{ok:?}");
+#[test]
+fn ids_set_in_code_without_names_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::with_data_dir(dir.path());
+    let mut coder = AssigneeConfig::new(["true"]);
+    coder.uid = Some(65534);
+    coder.gid = Some(65534);
+    config.assignees.insert("coder".into(), coder);
+    config.validate().expect("valid");
+    let coder = config.assignee("coder").unwrap();
+    assert_eq!((coder.uid, coder.gid), (Some(65534), Some(65534)));
 }
 
 #[test]

@@ -8,7 +8,8 @@
 //! - connections beyond `max_connections`: one `too_many_connections` line, then closed;
 //! - a string `id` over 256 bytes: `bad_request` with `"id":null`;
 //! - a `list_tasks` limit over 10000: clamped to 10000; a list whose task text is over 16 MiB:
-//!   cut to the newest that fit, marked `truncated`;
+//!   cut to the newest that fit, marked `truncated`; an `events` page over 16 MiB of payloads:
+//!   cut, with `more`;
 //! - a client that sends requests but does not read the replies: the server stops reading
 //!   it once 8 MiB of replies wait, and answers everything once the client reads;
 //! - a task for an assignee the config does not have: `bad_request` naming the configured
@@ -145,6 +146,40 @@ fn a_silent_client_is_disconnected_after_the_idle_timeout() {
         "closed too late: {waited:?}"
     );
 
+    // A client that asked for a reply and never read it (it sits in the socket's buffer) is
+    // idle too: closed within two idle periods, not kept because bytes are still unread.
+    let mut unread = d.raw();
+    unread.hello();
+    unread.send(b"{\"id\":1,\"op\":\"status\"}\n");
+    let start = Instant::now();
+    let mut closed_at = None;
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || {
+            // Polled without reading: the server's close shows as a hang-up on our end.
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&unread.writer);
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLRDHUP,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, no wait.
+            let n = unsafe { libc::poll(&mut p, 1, 0) };
+            let hung_up = n == 1 && p.revents & (libc::POLLRDHUP | libc::POLLHUP) != 0;
+            if hung_up {
+                closed_at = Some(start.elapsed());
+            }
+            hung_up
+        }),
+        "a client sitting on an unread reply was never closed"
+    );
+    let waited = closed_at.unwrap();
+    assert!(
+        waited >= Duration::from_millis(400),
+        "closed too early: {waited:?}"
+    );
+    assert_eq!(unread.recv().unwrap()["id"], 1, "the reply was sent");
+    assert_eq!(error_code(&unread.recv().unwrap()), "idle_timeout");
+
     // A client that keeps talking is not idle, and one with a follow stream open is not
     // either even if it sends nothing more.
     let mut chatty = d.client();
@@ -272,7 +307,7 @@ fn a_list_tasks_limit_over_the_maximum_is_clamped() {
 }
 
 #[test]
-fn a_list_of_tasks_too_big_for_one_reply_is_cut_and_says_so() {
+fn a_list_or_events_page_too_big_for_one_reply_is_cut_and_says_so() {
     use runwarden::control::protocol::MAX_LIST_REPLY_BYTES;
     let mut d = Daemon::start("synchronous = \"normal\"", "");
     let mut c = d.client();
@@ -306,6 +341,20 @@ fn a_list_of_tasks_too_big_for_one_reply_is_cut_and_says_so() {
         })
         .expect("list_tasks");
     assert_eq!((small.tasks.len(), small.truncated), (5, false));
+
+    // The same bound on an events page (each `created` event carries its ~450 KB title): cut
+    // short with `more`, and the next page goes on from its last id, nothing skipped.
+    let first = c.events_page(0, None, Some(1000)).expect("events");
+    assert!(first.more, "{} events and no more", first.events.len());
+    assert!((1..40).contains(&first.events.len()), "{}", first.events.len());
+    assert_eq!(first.last_id, first.events.last().unwrap().id);
+    let all = c.events(0, None).expect("all events, paged");
+    let created: Vec<_> = all
+        .iter()
+        .filter(|e| e.kind == "created")
+        .filter_map(|e| e.task_id)
+        .collect();
+    assert_eq!(created, ids, "every event once, in order");
     d.assert_healthy();
 }
 

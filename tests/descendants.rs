@@ -16,7 +16,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::lifecycle::{Db, View, now, stop_serve, wait_run_procs};
+use common::lifecycle::{Db, View, now, open_gate, stop_serve, wait_for_gate, wait_run_procs};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir};
 use runwarden::board::{NewTask, RunOutcome, TaskStatus, now_millis};
@@ -28,11 +28,12 @@ const WORKER: &str =
 #[test]
 fn a_finished_runs_descendants_are_all_ended_after_the_grace() {
     let td = TestDir::new();
-    let grace = Duration::from_millis(1500);
+    // Long enough for the test to see the run close and start watching well before it ends.
+    let grace = Duration::from_millis(3000);
     let config = td.write_config(
         "tick = \"100ms\"",
         &format!(
-            "[reaper]\ngrace = \"1500ms\"\nkill_timeout = \"1s\"\n\n\
+            "[reaper]\ngrace = \"3000ms\"\nkill_timeout = \"1s\"\n\n\
              [assignees.w]\ncommand = [\"sh\", \"-c\", {WORKER:?}]\n"
         ),
     );
@@ -197,13 +198,18 @@ fn an_escapee_of_a_worker_that_exited_by_itself_is_ended_with_its_run() {
 #[test]
 fn what_a_reporting_worker_leaves_in_its_group_is_ended_when_it_exits_not_after_the_grace() {
     let td = TestDir::new();
-    // Reports, leaves a member in its group, waits until the report has landed, exits.
-    let worker = "sleep 304 & runwarden complete --result ok && sleep 0.3; exit 0";
+    // Reports, leaves a member in its group, and exits once the test has seen it (its gate).
+    let gates = td.path().join("gates");
+    let worker = format!(
+        "sleep 304 & runwarden complete --result ok && {}; exit 0",
+        wait_for_gate(60)
+    );
     let config = td.write_config(
         "tick = \"100ms\"",
         &format!(
             "[reaper]\ngrace = \"1m\"\nkill_timeout = \"1s\"\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
+             env = {{ GATE_DIR = {gates:?} }}\n"
         ),
     );
     std::fs::create_dir_all(td.data_dir()).unwrap();
@@ -231,6 +237,8 @@ fn what_a_reporting_worker_leaves_in_its_group_is_ended_when_it_exits_not_after_
 
     // Closed by the report (the grace would be a minute); the leader's exit ends the member.
     db.wait_status(task, TaskStatus::Done, SETTLE);
+    assert!(member.alive(), "{member:?} ended before its leader exited");
+    open_gate(&gates, task);
     let ended = db.wait_event(task, "worker_group_ended", SETTLE);
     assert!(!member.alive(), "{member:?} outlived its leader");
     let run = db.run(run.id);

@@ -133,7 +133,8 @@ fn a_hook_over_its_timeout_is_killed_and_the_supervisor_keeps_going() {
     let td = TestDir::new();
     let out = td.path().join("hook-out");
     fs::create_dir_all(&out).unwrap();
-    let timeout = Duration::from_millis(500);
+    // Long enough for the test to pin the hook and start watching well before it.
+    let timeout = Duration::from_millis(2000);
     // Hangs, with a background child in its group; both pids published atomically.
     let script = format!(
         "cd {out:?} || exit 1; sleep 301 & echo $! > \"$RUNWARDEN_EVENT_TASK_ID-bg.tmp\"; \
@@ -145,7 +146,7 @@ fn a_hook_over_its_timeout_is_killed_and_the_supervisor_keeps_going() {
     let (mut serve, mut db, tasks) = start(
         &td,
         "exit 0",
-        &hook(&["claimed"], &script, "500ms"),
+        &hook(&["claimed"], &script, "2s"),
         &["first"],
     );
     let first = tasks[0];
@@ -195,7 +196,7 @@ fn a_hook_over_its_timeout_is_killed_and_the_supervisor_keeps_going() {
     db.wait_status(second, TaskStatus::Done, SETTLE);
     let (_, _more_pins) = pin_hook(second);
     assert!(
-        wait_until(SETTLE, || serve.stderr().contains("timed out after 500ms")),
+        wait_until(SETTLE, || serve.stderr().contains("timed out after 2s")),
         "the timeout is logged; stderr:\n{}",
         serve.stderr()
     );

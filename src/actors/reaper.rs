@@ -115,7 +115,9 @@ impl ReaperActor {
 
     fn fire(&mut self, msg: RunClosed, ctx: &mut Context<Self>) {
         self.pending.remove(&msg.run_id);
-        if let Some(worker) = self.owned.remove(&msg.run_id)
+        // Kept in `owned` until the worker is gone (WorkerGone): while its actor lives, a later
+        // sweep asks it again rather than start an external kill of the same worker beside it.
+        if let Some(worker) = self.owned.get(&msg.run_id).cloned()
             && worker.connected()
         {
             let reason = if msg.grace.is_zero() {

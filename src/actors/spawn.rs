@@ -291,8 +291,12 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             // Without a pidfd nobody could supervise it (and the run is about to be closed as
             // spawn_failed and retried): end it and its group now, while it is still our
             // unreaped child (its pid, and so its group id, cannot name anyone else), and reap it.
-            // SAFETY: kill(2) with our unreaped child's group id.
-            unsafe { libc::kill(-pid, libc::SIGKILL) };
+            // SAFETY: kill(2) with our unreaped child's pid and group id (the child too, in
+            // case it has already left its group).
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+                libc::kill(pid, libc::SIGKILL);
+            }
             let _ = child.wait();
             process::owned::unregister(pid);
             return Err(format!("cannot open pidfd for {pid}: {e}"));

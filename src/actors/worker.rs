@@ -80,6 +80,9 @@ pub struct WorkerActor {
     pid_released: bool,
     /// A tree-end (terminate_tree) is running; further Terminates are redundant.
     tree_ending: bool,
+    /// The last Terminate's tree-end failed: the next Terminate (its retry, or one from the
+    /// reaper) is taken although `terminating` is set.
+    kill_failed: bool,
     /// Clear the run's evidence once the running tree-end finishes.
     clear_when_ended: bool,
     /// The exit is recorded; the actor finishes once no tree-end is running (the reaper and
@@ -131,6 +134,7 @@ impl WorkerActor {
             refilled: false,
             pid_released: false,
             tree_ending: false,
+            kill_failed: false,
             clear_when_ended: false,
             exit_done: false,
         }
@@ -379,12 +383,14 @@ impl WorkerActor {
         .into_actor(self)
         .then(move |how, act, ctx| {
             if how.is_none()
-                && let Some(reason) = act.terminating.take()
+                && let Some(reason) = act.terminating
                 && !act.exit_done
             {
                 // Not ended, and the run still wants it gone: try again later (nobody else
                 // would for a run still open, e.g. a timeout that could not be recorded). A
-                // Terminate from elsewhere meanwhile is taken, not dropped as one in progress.
+                // Terminate from elsewhere meanwhile is taken, not dropped as one in progress;
+                // the reason stays, so an exit meanwhile still records why it was ended.
+                act.kill_failed = true;
                 let retry = act.kill_timeout.max(Duration::from_secs(1));
                 ctx.run_later(retry, move |act, ctx| {
                     ctx.notify(Terminate {
@@ -611,9 +617,10 @@ impl Handler<Terminate> for WorkerActor {
         let Some(pidfd) = self.pidfd.clone() else {
             return;
         };
-        if self.terminating.is_some() || self.tree_ending || self.exit_done {
+        if (self.terminating.is_some() && !self.kill_failed) || self.tree_ending || self.exit_done {
             return;
         }
+        self.kill_failed = false;
         self.terminating = Some(msg.reason);
         tracing::info!(run_id = self.run_id(), pid = pidfd.pid(), reason = ?msg.reason, "worker: terminating group");
         self.kill_timeout = msg.kill_after;

@@ -37,11 +37,7 @@ impl Tx<'_> {
 
     /// Events with id greater than `after`, oldest first, at most `limit`.
     pub fn events_since(&self, after: EventId, limit: u32) -> Result<Vec<Event>> {
-        let sql =
-            format!("SELECT {EVENT_COLS} FROM task_events WHERE id > ?1 ORDER BY id LIMIT ?2");
-        let mut stmt = self.conn.prepare_cached(&sql)?;
-        let rows = stmt.query_map(params![after, limit], rows::event)?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+        Ok(self.events_since_within(None, after, limit, usize::MAX)?.0)
     }
 
     /// Events of one task with id greater than `after`, oldest first, at most `limit`.
@@ -51,12 +47,59 @@ impl Tx<'_> {
         after: EventId,
         limit: u32,
     ) -> Result<Vec<Event>> {
-        let sql = format!(
-            "SELECT {EVENT_COLS} FROM task_events WHERE task_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
-        );
-        let mut stmt = self.conn.prepare_cached(&sql)?;
-        let rows = stmt.query_map(params![task_id, after, limit], rows::event)?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+        Ok(self
+            .events_since_within(Some(task_id), after, limit, usize::MAX)?
+            .0)
+    }
+
+    /// Events (of `task_id`, or all) with id greater than `after`, oldest first, at most
+    /// `limit`, stopping once their payloads hold more than about `max_bytes` of text (at
+    /// least one event); `true` when it stopped early. Bounds what one page may hold, however
+    /// big the results and titles the events carry are.
+    pub fn events_since_within(
+        &self,
+        task_id: Option<TaskId>,
+        after: EventId,
+        limit: u32,
+        max_bytes: usize,
+    ) -> Result<(Vec<Event>, bool)> {
+        // Two statements, not one with `?1 IS NULL OR task_id = ?1`: a task's events must be
+        // read through its index, which that form would keep the planner from using.
+        static ALL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        static ONE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let mut stmt;
+        let rows = match task_id {
+            None => {
+                let sql = ALL.get_or_init(|| {
+                    format!(
+                        "SELECT {EVENT_COLS} FROM task_events WHERE id > ?1 ORDER BY id LIMIT ?2"
+                    )
+                });
+                stmt = self.conn.prepare_cached(sql)?;
+                stmt.query_map(params![after, limit], rows::event)?
+            }
+            Some(task) => {
+                let sql = ONE.get_or_init(|| {
+                    format!(
+                        "SELECT {EVENT_COLS} FROM task_events WHERE task_id = ?1 AND id > ?2 \
+                         ORDER BY id LIMIT ?3"
+                    )
+                });
+                stmt = self.conn.prepare_cached(sql)?;
+                stmt.query_map(params![task, after, limit], rows::event)?
+            }
+        };
+        let (mut events, mut bytes) = (Vec::new(), 0usize);
+        for ev in rows {
+            let ev = ev?;
+            let size = text_size(&ev.payload) + ev.kind.len();
+            if !events.is_empty() && bytes.saturating_add(size) > max_bytes {
+                return Ok((events, true));
+            }
+            bytes += size;
+            events.push(ev);
+        }
+        Ok((events, false))
     }
 
     /// The last `limit` events of a task, oldest first.
@@ -87,4 +130,21 @@ impl Tx<'_> {
 /// a `Vec`; `Display` goes through `fmt::Write` and costs several times as much per event.)
 fn payload_text(payload: &serde_json::Value) -> String {
     serde_json::to_string(payload).unwrap_or_else(|_| payload.to_string())
+}
+
+/// About how much text a payload holds (its strings and keys, plus a little per value): what a
+/// page bound is measured in, without serializing it again.
+fn text_size(v: &serde_json::Value) -> usize {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => s.len() + 2,
+        Value::Array(items) => items.iter().map(text_size).sum::<usize>() + 2,
+        Value::Object(map) => {
+            map.iter()
+                .map(|(k, v)| k.len() + 3 + text_size(v))
+                .sum::<usize>()
+                + 2
+        }
+        _ => 8,
+    }
 }

@@ -8,11 +8,17 @@ use std::time::Duration;
 use super::diagnose::{Problem, is_bare_key};
 use super::{AssigneeConfig, Config, HookConfig, RLIMIT_NAMES, rlimit_resource};
 
-/// The prefix of the variables the supervisor sets for each run (`RUNWARDEN_SOCKET`,
-/// `RUNWARDEN_RUN_TOKEN`, …): an assignee may not set any of them, or its worker would report
-/// against the wrong run (or all its runs would share one token, whose carriers are ended
-/// together).
-const RESERVED_ENV_PREFIX: &str = "RUNWARDEN_";
+/// The variables the supervisor sets for each run: an assignee may not set them, or its worker
+/// would report against the wrong run (or all its runs would share one token, whose carriers
+/// are ended together). Other `RUNWARDEN_*` names (`RUNWARDEN_CONNECT_WAIT`, `RUNWARDEN_LOG`,
+/// read by the CLI inside a worker) are the assignee's to set.
+const RESERVED_ENV: [&str; 5] = [
+    "RUNWARDEN_SOCKET",
+    "RUNWARDEN_TASK_ID",
+    "RUNWARDEN_RUN_ID",
+    "RUNWARDEN_RUN_TOKEN",
+    "RUNWARDEN_TASK_TITLE",
+];
 
 /// The shortest tick: the dispatcher's and reaper's periodic timers run this often.
 const MIN_TICK: Duration = Duration::from_millis(1);
@@ -48,10 +54,10 @@ pub(super) fn validate_and_resolve(config: &mut Config, base_dir: &Path) -> Chec
     positive(config.leases.claim_ttl, &["leases", "claim_ttl"])?;
     // Leases are looked after on the tick: one shorter than two ticks could lapse unseen.
     let tick = config.supervisor.tick;
-    if config.leases.claim_ttl < 2 * tick {
+    if config.leases.claim_ttl < tick.saturating_mul(2) {
         let message = format!(
             "must be at least twice [supervisor] tick ({}), got {}",
-            humantime::format_duration(2 * tick),
+            humantime::format_duration(tick.saturating_mul(2)),
             humantime::format_duration(config.leases.claim_ttl)
         );
         return Err(Problem::at(&["leases", "claim_ttl"], message));
@@ -104,31 +110,17 @@ fn assignee_config(name: &str, a: &mut AssigneeConfig, base_dir: &Path) -> Check
                 "invalid variable name; use letters, digits and `_`, not starting with a digit",
             ));
         }
-        if var.starts_with(RESERVED_ENV_PREFIX) {
-            return Err(Problem::at(
-                &path,
-                "RUNWARDEN_* variables are set by the supervisor for each run",
-            ));
+        if RESERVED_ENV.contains(&var.as_str()) {
+            return Err(Problem::at(&path, "is set by the supervisor for each run"));
         }
         if value.contains('\0') {
             return Err(Problem::at(&path, "must not contain a NUL byte"));
         }
     }
     if let Some(cwd) = &a.cwd {
-        let cwd = resolve(base_dir, cwd, &key("cwd"))?;
-        // Checked now, not found missing at the first spawn (nor created there, as root).
-        match std::fs::metadata(&cwd) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                let message = format!("{} is not a directory", cwd.display());
-                return Err(Problem::at(&key("cwd"), message));
-            }
-            Err(e) => {
-                let message = format!("cannot use {}: {e}", cwd.display());
-                return Err(Problem::at(&key("cwd"), message));
-            }
-        }
-        a.cwd = Some(cwd);
+        // Its existence is checked when a supervisor starts (see `check_working_dirs`), not
+        // here: other commands load this config too, as users who may not reach it.
+        a.cwd = Some(resolve(base_dir, cwd, &key("cwd"))?);
     }
     exit_codes(&a.retry_exit_codes, &key("retry_exit_codes"))?;
     exit_codes(&a.fail_exit_codes, &key("fail_exit_codes"))?;
@@ -155,8 +147,14 @@ fn assignee_config(name: &str, a: &mut AssigneeConfig, base_dir: &Path) -> Check
 /// Looks `user` and `group` up now, so a typo fails at load rather than at the first spawn.
 fn resolve_ids(a: &mut AssigneeConfig, name: &str) -> Checked {
     use nix::unistd::{Group, User};
-    a.uid = None;
-    a.gid = None;
+    // Derived from the names when they are given; ids set directly in code (no name) are kept.
+    if a.user.is_some() {
+        a.uid = None;
+        a.gid = None;
+    }
+    if a.group.is_some() {
+        a.gid = None;
+    }
     if let Some(user) = &a.user {
         let path = ["assignees", name, "user"];
         match User::from_name(user) {

@@ -93,6 +93,8 @@ pub(super) async fn serve(
     let mut hangup_probe = tokio::time::interval(HANGUP_PROBE);
     hangup_probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut was_idle = true;
+    // The peer's unread byte count when the idle timer last fired (see the timer's arm).
+    let mut unread_at_look: Option<i32> = None;
     let mut eof = false;
     let mut closing = *stopping.borrow();
     // The client can no longer be written to: end without last words.
@@ -129,6 +131,7 @@ pub(super) async fn serve(
             idle_timer
                 .as_mut()
                 .reset(Instant::from_std(crate::deadline_after(idle)));
+            unread_at_look = None;
         }
         was_idle = idle_now;
         // Wake on the writer's progress while it decides what the loop may do next: whether
@@ -181,6 +184,16 @@ pub(super) async fn serve(
                 }
             }
             _ = &mut idle_timer, if idle_now => {
+                // Written out of our queue is not read: a client still working through the
+                // kernel's buffer of a long reply is reading, not idle — as long as it has
+                // read some of it since the last look. One that stopped is idle.
+                let stream: &tokio::net::UnixStream = reader.get_ref().as_ref();
+                let unread = super::out::unread_by_peer(stream).unwrap_or(0);
+                if unread > 0 && unread_at_look.is_none_or(|before| unread < before) {
+                    unread_at_look = Some(unread);
+                    idle_timer.as_mut().reset(Instant::from_std(crate::deadline_after(idle)));
+                    continue;
+                }
                 let msg = format!("no request for {}; closing the connection", humantime::format_duration(idle));
                 last_words = Some(Response::error(None, code::IDLE_TIMEOUT, msg).to_line());
                 closing = true;

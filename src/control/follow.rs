@@ -22,7 +22,7 @@ use tokio::sync::broadcast;
 
 use super::ops::{OpError, Outcome, respond};
 use super::out::Out;
-use super::protocol::{Events, FollowReply, RequestId, Response};
+use super::protocol::{Events, FollowReply, MAX_PAGE_BYTES, RequestId, Response};
 use super::server::Shared;
 use crate::actors::store::{EventFeed, Store};
 use crate::board::{Event, EventId, TaskId};
@@ -110,10 +110,7 @@ impl Follower {
             let (task, after) = (self.task, self.last);
             let page = self
                 .store
-                .read(move |tx| match task {
-                    Some(t) => tx.task_events_since(t, after, PAGE),
-                    None => tx.events_since(after, PAGE),
-                })
+                .read(move |tx| tx.events_since_within(task, after, PAGE, MAX_PAGE_BYTES))
                 .await;
             let page = match page {
                 Ok(page) => page,
@@ -128,7 +125,8 @@ impl Follower {
                     return false;
                 }
             };
-            let full = page.len() as u32 == PAGE;
+            let (page, cut) = page;
+            let full = cut || page.len() as u32 == PAGE;
             for ev in &page {
                 if !self.send(ev, out).await {
                     return false;

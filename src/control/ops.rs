@@ -16,8 +16,8 @@ use super::follow;
 use super::out::Out;
 use super::protocol::{
     Block, CommentReply, CommentReq, Complete, Events, EventsReply, HeartbeatReply, LinkReply,
-    LiveWorker, MAX_LIST_REPLY_BYTES, PROTOCOL_VERSION, ReapReply, Reclaim, Request, RequestId,
-    Response, ShutdownReply, StatusReply, TaskReply, TasksReply, code,
+    LiveWorker, MAX_LIST_REPLY_BYTES, MAX_PAGE_BYTES, PROTOCOL_VERSION, ReapReply, Reclaim,
+    Request, RequestId, Response, ShutdownReply, StatusReply, TaskReply, TasksReply, code,
 };
 use super::server::{Role, Shared};
 use crate::actors::reaper::SweepNow;
@@ -413,13 +413,10 @@ fn events_page(
         if let Some(task) = e.task {
             tx.task_status(task)?; // not_found for a task that does not exist
         }
-        let events = match e.task {
-            Some(task) => tx.task_events_since(task, e.since, limit)?,
-            None => tx.events_since(e.since, limit)?,
-        };
+        let (events, cut) = tx.events_since_within(e.task, e.since, limit, MAX_PAGE_BYTES)?;
         Ok(EventsReply {
             last_id: events.last().map_or(e.since, |ev| ev.id),
-            more: events.len() as u32 == limit,
+            more: cut || events.len() as u32 == limit,
             events,
         })
     })

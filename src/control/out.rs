@@ -164,12 +164,12 @@ async fn write_all(wr: &OwnedWriteHalf, mut buf: &[u8], stall: Duration) -> bool
             _ => return false,
         }
         // The socket is full: wait for room, as long as the peer keeps reading.
-        let mut unread = unread_by_peer(wr);
+        let mut unread = unread_by_peer(wr.as_ref());
         loop {
             match tokio::time::timeout(stall, wr.writable()).await {
                 Ok(Ok(())) => break,
                 Ok(Err(_)) => return false,
-                Err(_) => match (unread, unread_by_peer(wr)) {
+                Err(_) => match (unread, unread_by_peer(wr.as_ref())) {
                     (Some(before), Some(now)) if now < before => unread = Some(now),
                     _ => return false, // Nothing read for `stall` (or the kernel cannot say).
                 },
@@ -181,8 +181,7 @@ async fn write_all(wr: &OwnedWriteHalf, mut buf: &[u8], stall: Duration) -> bool
 
 /// Bytes written to the socket that the peer has not read yet (`SIOCOUTQ`). For a Unix socket
 /// it drops as the peer consumes each kernel buffer it was sent in.
-fn unread_by_peer(wr: &OwnedWriteHalf) -> Option<i32> {
-    let stream: &tokio::net::UnixStream = wr.as_ref();
+pub(super) fn unread_by_peer(stream: &tokio::net::UnixStream) -> Option<i32> {
     let mut unread: libc::c_int = 0;
     // SAFETY: SIOCOUTQ (= TIOCOUTQ) on a socket stores one int through the pointer, which
     // points to `unread`; the fd is borrowed from a live stream.

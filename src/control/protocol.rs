@@ -579,6 +579,10 @@ pub struct TasksReply {
 /// left out and the reply says `truncated`.
 pub const MAX_LIST_REPLY_BYTES: usize = 16 * 1024 * 1024;
 
+/// About the most event payload text one `events` page (or one catch-up page of a follow)
+/// reads; a page cut there says `more`, and the next page goes on from its `last_id`.
+pub const MAX_PAGE_BYTES: usize = 16 * 1024 * 1024;
+
 /// A transition succeeded; the task as it is after it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TaskReply {

@@ -254,7 +254,7 @@ impl Modes {
     ///
     /// - an assignee that runs as another user needs to traverse the data dir to reach its
     ///   working directory (`<data_dir>/work/<id>`): the directory becomes 0711 (traversable,
-    ///   not listable); the socket stays 0600;
+    ///   not listable);
     /// - `allowed_uids` asks for other users to be served, and so do assignees' users (their
     ///   workers report here): the directory becomes 0711 and the socket 0666, and the peer-uid
     ///   check (`SO_PEERCRED`) is what refuses everyone else.

@@ -96,12 +96,12 @@ impl Handler<EvidenceAfterClose> for DispatcherActor {
 }
 
 /// A run's time limit: the task's own when it sets one (0 meaning none, as `"0s"` does in the
-/// config), else its assignee's.
+/// config), else its assignee's (also for a negative value, which means nothing).
 fn effective_max_runtime(task_ms: Option<i64>, assignee: Option<Duration>) -> Option<Duration> {
     match task_ms {
         Some(ms) if ms > 0 => Some(Duration::from_millis(ms as u64)),
-        Some(_) => None,
-        None => assignee.filter(|d| !d.is_zero()),
+        Some(0) => None,
+        _ => assignee.filter(|d| !d.is_zero()),
     }
 }
 
@@ -116,6 +116,7 @@ fn a_tasks_max_runtime_overrides_its_assignees_and_zero_means_none() {
         Some(Duration::from_millis(1500))
     );
     assert_eq!(effective_max_runtime(Some(0), hour), None);
+    assert_eq!(effective_max_runtime(Some(-5), hour), hour);
 }
 
 /// Live workers of this incarnation: (run, task, pid).
