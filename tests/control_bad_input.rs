@@ -346,7 +346,11 @@ fn a_list_or_events_page_too_big_for_one_reply_is_cut_and_says_so() {
     // short with `more`, and the next page goes on from its last id, nothing skipped.
     let first = c.events_page(0, None, Some(1000)).expect("events");
     assert!(first.more, "{} events and no more", first.events.len());
-    assert!((1..40).contains(&first.events.len()), "{}", first.events.len());
+    assert!(
+        (1..40).contains(&first.events.len()),
+        "{}",
+        first.events.len()
+    );
     assert_eq!(first.last_id, first.events.last().unwrap().id);
     let all = c.events(0, None).expect("all events, paged");
     let created: Vec<_> = all
