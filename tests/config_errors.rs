@@ -357,6 +357,35 @@ fn ids_set_in_code_without_names_are_kept() {
     config.validate().expect("valid");
     let coder = config.assignee("coder").unwrap();
     assert_eq!((coder.uid, coder.gid), (Some(65534), Some(65534)));
+
+    // A uid alone gets its user's primary group, never the supervisor's by default.
+    let daemon = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(1))
+        .expect("passwd lookup")
+        .expect("this test needs a user with uid 1 (daemon)");
+    let coder = config.assignees.get_mut("coder").unwrap();
+    (coder.uid, coder.gid) = (Some(1), None);
+    config.validate().expect("valid");
+    assert_eq!(
+        config.assignee("coder").unwrap().gid,
+        Some(daemon.gid.as_raw())
+    );
+    // One with no user entry needs its gid set too.
+    let free = (40_000..60_000)
+        .find(|&u| {
+            matches!(
+                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(u)),
+                Ok(None)
+            )
+        })
+        .expect("a free uid");
+    let coder = config.assignees.get_mut("coder").unwrap();
+    (coder.uid, coder.gid) = (Some(free), None);
+    match config.validate() {
+        Err(ConfigError::Invalid { message, .. }) => {
+            assert!(message.contains("set gid too"), "{message}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
 }
 
 #[test]

@@ -534,7 +534,8 @@ impl WorkerActor {
     }
 
     fn timed_out(&mut self, limit: Duration, ctx: &mut Context<Self>) {
-        if self.terminating.is_some() {
+        // Already being ended (a kill that failed does not count: the limit still closes the run).
+        if self.terminating.is_some() && !self.kill_failed {
             return;
         }
         tracing::warn!(

@@ -205,6 +205,20 @@ fn resolve_ids(a: &mut AssigneeConfig, name: &str) -> Checked {
             }
         }
     }
+    // A uid set in code without a gid gets its user's primary group, as a name does: never
+    // the supervisor's own (root's) group by default.
+    if let (Some(uid), None) = (a.uid, a.gid) {
+        let path = ["assignees", name, "uid"];
+        match User::from_uid(nix::unistd::Uid::from_raw(uid)) {
+            Ok(Some(u)) => a.gid = Some(u.gid.as_raw()),
+            Ok(None) => {
+                let message =
+                    format!("uid {uid} has no user entry, so no primary group; set gid too");
+                return Err(Problem::at(&path, message));
+            }
+            Err(e) => return Err(Problem::at(&path, format!("cannot look up uid {uid}: {e}"))),
+        }
+    }
     Ok(())
 }
 
