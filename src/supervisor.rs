@@ -91,7 +91,6 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
     Ok(())
 }
 
-/// Boots inside a running actix system.
 /// An assignee that runs as another user needs a supervisor that may switch to it (root):
 /// refused at start, not found out by every spawn failing.
 fn can_switch_users(config: &Config) -> Result<(), SupervisorError> {
@@ -122,37 +121,14 @@ fn can_switch_users(config: &Config) -> Result<(), SupervisorError> {
     Ok(())
 }
 
-/// A configured working directory must exist when the supervisor starts (checked after the
-/// supervisor's own directories are made): found missing now, naming the key, rather than at
-/// the first spawn — and never created by the supervisor, as root. Not a load-time check:
-/// other commands load the config too, as users who may not reach the directory.
-fn check_working_dirs(config: &Config) -> Result<(), SupervisorError> {
-    for (name, a) in &config.assignees {
-        let Some(cwd) = &a.cwd else { continue };
-        let problem = match std::fs::metadata(cwd) {
-            Ok(m) if m.is_dir() => continue,
-            Ok(_) => format!("{} is not a directory", cwd.display()),
-            Err(e) => format!("cannot use {}: {e}", cwd.display()),
-        };
-        return Err(SupervisorError::Config(
-            crate::config::ConfigError::Invalid {
-                path: config
-                    .path
-                    .clone()
-                    .unwrap_or_else(|| std::path::PathBuf::from("<config built in code>")),
-                message: format!("[assignees.{name}] cwd: {problem}"),
-            },
-        ));
-    }
-    Ok(())
-}
-
+/// Boots inside a running actix system.
 fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     // A loaded config was checked at load; one built in code (embedding) is checked here.
     config.validate()?;
     can_switch_users(&config)?;
     create_dirs(&config)?;
-    check_working_dirs(&config)?;
+    // After create_dirs: a working directory inside the data dir may be one of ours.
+    config.check_working_dirs()?;
     let lock = LockFile::acquire(&config.lock_path())?;
     // Bound before any actor runs (a live socket refuses the start); served once they are up.
     let socket =

@@ -22,6 +22,18 @@ fn refused(text: &str) -> String {
     }
 }
 
+/// A uid no user has (no passwd entry).
+fn free_uid() -> u32 {
+    (40_000..60_000)
+        .find(|&u| {
+            matches!(
+                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(u)),
+                Ok(None)
+            )
+        })
+        .expect("a free uid")
+}
+
 /// A minimal valid assignee, so each test changes exactly one thing.
 const CODER: &str = "[assignees.coder]\ncommand = [\"true\"]\n";
 
@@ -370,14 +382,7 @@ fn ids_set_in_code_without_names_are_kept() {
         Some(daemon.gid.as_raw())
     );
     // One with no user entry needs its gid set too.
-    let free = (40_000..60_000)
-        .find(|&u| {
-            matches!(
-                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(u)),
-                Ok(None)
-            )
-        })
-        .expect("a free uid");
+    let free = free_uid();
     let coder = config.assignees.get_mut("coder").unwrap();
     (coder.uid, coder.gid) = (Some(free), None);
     match config.validate() {
@@ -415,14 +420,7 @@ fn a_numeric_user_gets_its_primary_group_or_needs_one() {
     );
 
     // A uid nobody has: no primary group to take, so `group` is required.
-    let free = (40_000..60_000)
-        .find(|&u| {
-            matches!(
-                nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(u)),
-                Ok(None)
-            )
-        })
-        .expect("a free uid");
+    let free = free_uid();
     let message = refused(&format!("{CODER}user = \"{free}\"\n"));
     assert!(message.contains("[assignees.coder] user"), "{message}");
     assert!(message.contains("set `group` too"), "{message}");

@@ -308,7 +308,7 @@ fn a_list_tasks_limit_over_the_maximum_is_clamped() {
 
 #[test]
 fn a_list_or_events_page_too_big_for_one_reply_is_cut_and_says_so() {
-    use runwarden::control::protocol::MAX_LIST_REPLY_BYTES;
+    use runwarden::control::protocol::MAX_REPLY_TEXT_BYTES;
     let mut d = Daemon::start("synchronous = \"normal\"", "");
     let mut c = d.client();
     // 40 tasks of ~900 KB of text each (title + body): ~36 MB, over the 16 MiB a reply holds.
@@ -328,7 +328,7 @@ fn a_list_or_events_page_too_big_for_one_reply_is_cut_and_says_so() {
         .iter()
         .map(|t| t.title.len() + t.body.len())
         .sum();
-    assert!(text <= MAX_LIST_REPLY_BYTES, "{text} bytes of task text");
+    assert!(text <= MAX_REPLY_TEXT_BYTES, "{text} bytes of task text");
     // The newest first, none skipped: the cut only leaves out the oldest.
     let got: Vec<_> = reply.tasks.iter().map(|t| t.id).collect();
     let newest: Vec<_> = ids.iter().rev().take(n).copied().collect();

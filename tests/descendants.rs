@@ -19,36 +19,42 @@ use std::time::Duration;
 use common::lifecycle::{Db, View, now, open_gate, stop_serve, wait_for_gate, wait_run_procs};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir};
-use runwarden::board::{NewTask, RunOutcome, TaskStatus, now_millis};
+use runwarden::board::{NewTask, Run, RunOutcome, TaskId, TaskStatus, now_millis};
 use runwarden::process::{Signal, read_stat};
 
 const WORKER: &str =
     r#"sleep 300 & setsid sh -c "sleep 301 &" ; runwarden complete --result ok; sleep 302"#;
 
-#[test]
-fn a_finished_runs_descendants_are_all_ended_after_the_grace() {
-    let td = TestDir::new();
-    // Long enough for the test to see the run close and start watching well before it ends.
-    let grace = Duration::from_millis(3000);
+/// Starts `serve` with reaper `grace`, assignee `w` running `sh -c worker` (plus the assignee
+/// keys in `extra`), and one task for it; returns once its worker is spawned.
+fn start_one(td: &TestDir, grace: &str, worker: &str, extra: &str) -> (Serve, Db, TaskId, Run) {
     let config = td.write_config(
         "tick = \"100ms\"",
         &format!(
-            "[reaper]\ngrace = \"3000ms\"\nkill_timeout = \"1s\"\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {WORKER:?}]\n"
+            "[reaper]\ngrace = {grace:?}\nkill_timeout = \"1s\"\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n{extra}"
         ),
     );
     std::fs::create_dir_all(td.data_dir()).unwrap();
     let mut db = Db::new(td.db_path());
     let task = db.write(|tx| {
         Ok(tx
-            .create_task(&NewTask::titled("escapes").for_assignee("w"), now_millis())?
+            .create_task(&NewTask::titled("w").for_assignee("w"), now_millis())?
             .id)
     });
     let mut serve = Serve::start(&config, "serve");
     serve.wait_ready(&td.lock_path(), &td.db_path());
-
     db.wait_event(task, "worker_spawned", SETTLE);
     let run = db.runs(task)[0].clone();
+    (serve, db, task, run)
+}
+
+#[test]
+fn a_finished_runs_descendants_are_all_ended_after_the_grace() {
+    let td = TestDir::new();
+    // Long enough for the test to see the run close and start watching well before it ends.
+    let grace = Duration::from_millis(3000);
+    let (mut serve, mut db, task, run) = start_one(&td, "3000ms", WORKER, "");
     let worker_pid = run.spawned_pid.expect("spawned pid") as i32;
     let sleeps = wait_run_procs(&run.token, &["sleep 300", "sleep 301", "sleep 302"], SETTLE);
     let seen_at = now();
@@ -146,25 +152,12 @@ fn a_finished_runs_descendants_are_all_ended_after_the_grace() {
 #[test]
 fn an_escapee_of_a_worker_that_exited_by_itself_is_ended_with_its_run() {
     let td = TestDir::new();
-    let config = td.write_config(
-        "tick = \"100ms\"",
-        "[reaper]\ngrace = \"1m\"\nkill_timeout = \"1s\"\n\n\
-         [assignees.w]\ncommand = [\"sh\", \"-c\", \"setsid sh -c 'sleep 303 &'; sleep 0.5; exit 0\"]\n",
+    let (mut serve, mut db, task, run) = start_one(
+        &td,
+        "1m",
+        "setsid sh -c 'sleep 303 &'; sleep 0.5; exit 0",
+        "",
     );
-    std::fs::create_dir_all(td.data_dir()).unwrap();
-    let mut db = Db::new(td.db_path());
-    let task = db.write(|tx| {
-        Ok(tx
-            .create_task(
-                &NewTask::titled("leaves one behind").for_assignee("w"),
-                now_millis(),
-            )?
-            .id)
-    });
-    let mut serve = Serve::start(&config, "serve");
-    serve.wait_ready(&td.lock_path(), &td.db_path());
-    db.wait_event(task, "worker_spawned", SETTLE);
-    let run = db.runs(task)[0].clone();
     let escapee = wait_run_procs(&run.token, &["sleep 303"], SETTLE).remove(0);
     let _pin = escapee.pin();
     assert_eq!(
@@ -204,28 +197,12 @@ fn what_a_reporting_worker_leaves_in_its_group_is_ended_when_it_exits_not_after_
         "sleep 304 & runwarden complete --result ok && {}; exit 0",
         wait_for_gate(60)
     );
-    let config = td.write_config(
-        "tick = \"100ms\"",
-        &format!(
-            "[reaper]\ngrace = \"1m\"\nkill_timeout = \"1s\"\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
-             env = {{ GATE_DIR = {gates:?} }}\n"
-        ),
+    let (mut serve, mut db, task, run) = start_one(
+        &td,
+        "1m",
+        &worker,
+        &format!("env = {{ GATE_DIR = {gates:?} }}\n"),
     );
-    std::fs::create_dir_all(td.data_dir()).unwrap();
-    let mut db = Db::new(td.db_path());
-    let task = db.write(|tx| {
-        Ok(tx
-            .create_task(
-                &NewTask::titled("leaves a member").for_assignee("w"),
-                now_millis(),
-            )?
-            .id)
-    });
-    let mut serve = Serve::start(&config, "serve");
-    serve.wait_ready(&td.lock_path(), &td.db_path());
-    db.wait_event(task, "worker_spawned", SETTLE);
-    let run = db.runs(task)[0].clone();
     let worker_pid = run.spawned_pid.expect("spawned pid") as i32;
     let member = wait_run_procs(&run.token, &["sleep 304"], SETTLE).remove(0);
     let _pin = member.pin();

@@ -153,8 +153,8 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         .argv
         .split_first()
         .ok_or_else(|| "the assignee's command is empty".to_string())?;
-    // Only the supervisor's own per-task directory is created; a configured one was checked at
-    // load and is used as it is (if it has gone since, the start fails naming it).
+    // Only the supervisor's own per-task directory is created; a configured one was checked when
+    // the supervisor started and is used as it is (if it has gone since, the start fails naming it).
     if spec.own_cwd {
         fs::create_dir_all(&spec.cwd).map_err(|e| {
             format!(

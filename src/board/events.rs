@@ -89,17 +89,9 @@ impl Tx<'_> {
                 stmt.query_map(params![task, after, limit], rows::event)?
             }
         };
-        let (mut events, mut bytes) = (Vec::new(), 0usize);
-        for ev in rows {
-            let ev = ev?;
-            let size = text_size(&ev.payload) + ev.kind.len();
-            if !events.is_empty() && bytes.saturating_add(size) > max_bytes {
-                return Ok((events, true));
-            }
-            bytes += size;
-            events.push(ev);
-        }
-        Ok((events, false))
+        Ok(rows::take_within(rows, max_bytes, |ev: &Event| {
+            text_size(&ev.payload) + ev.kind.len()
+        })?)
     }
 
     /// The last `limit` events of a task, oldest first.

@@ -124,20 +124,12 @@ impl Tx<'_> {
             ],
             rows::task,
         )?;
-        let (mut tasks, mut bytes) = (Vec::new(), 0usize);
-        for task in rows {
-            let task = task?;
-            let size = task.title.len()
-                + task.body.len()
-                + task.result.as_ref().map_or(0, String::len)
-                + task.block_reason.as_ref().map_or(0, String::len);
-            if !tasks.is_empty() && bytes.saturating_add(size) > max_bytes {
-                return Ok((tasks, true));
-            }
-            bytes += size;
-            tasks.push(task);
-        }
-        Ok((tasks, false))
+        Ok(rows::take_within(rows, max_bytes, |t: &Task| {
+            t.title.len()
+                + t.body.len()
+                + t.result.as_ref().map_or(0, String::len)
+                + t.block_reason.as_ref().map_or(0, String::len)
+        })?)
     }
 
     /// A task with its links, runs, last `event_limit` events and comments.

@@ -95,3 +95,24 @@ pub(super) fn comment(row: &Row<'_>) -> rusqlite::Result<Comment> {
         at: row.get(4)?,
     })
 }
+
+/// Collects mapped rows until they hold more than `max_bytes` (as `size` measures each), always
+/// at least one; `true` when it stopped early. What bounds one reply or page, however big the
+/// rows are, without reading the rows past the bound.
+pub(super) fn take_within<T>(
+    rows: impl Iterator<Item = rusqlite::Result<T>>,
+    max_bytes: usize,
+    size: impl Fn(&T) -> usize,
+) -> rusqlite::Result<(Vec<T>, bool)> {
+    let (mut taken, mut bytes) = (Vec::new(), 0usize);
+    for row in rows {
+        let row = row?;
+        let n = size(&row);
+        if !taken.is_empty() && bytes.saturating_add(n) > max_bytes {
+            return Ok((taken, true));
+        }
+        bytes += n;
+        taken.push(row);
+    }
+    Ok((taken, false))
+}

@@ -317,10 +317,31 @@ impl Config {
             Some(dir) => dir.to_path_buf(),
             None => std::path::absolute(".").unwrap_or_else(|_| PathBuf::from("/")),
         };
-        validate::validate_and_resolve(self, &base_dir).map_err(|p| ConfigError::Invalid {
+        validate::validate_and_resolve(self, &base_dir).map_err(|p| self.invalid(p.render("")))
+    }
+
+    /// Refuses a configured working directory that does not exist (or is not a directory), naming
+    /// the key. Run when a supervisor starts, not at load: other commands load the config too,
+    /// as users who may not reach the directory. The supervisor never creates one (as root).
+    pub fn check_working_dirs(&self) -> Result<(), ConfigError> {
+        for (name, a) in &self.assignees {
+            let Some(cwd) = &a.cwd else { continue };
+            let problem = match std::fs::metadata(cwd) {
+                Ok(m) if m.is_dir() => continue,
+                Ok(_) => format!("{} is not a directory", cwd.display()),
+                Err(e) => format!("cannot use {}: {e}", cwd.display()),
+            };
+            return Err(self.invalid(format!("[assignees.{name}] cwd: {problem}")));
+        }
+        Ok(())
+    }
+
+    /// An `Invalid` error about this config (its file, or [`IN_CODE`]).
+    fn invalid(&self, message: String) -> ConfigError {
+        ConfigError::Invalid {
             path: self.path.clone().unwrap_or_else(|| PathBuf::from(IN_CODE)),
-            message: p.render(""),
-        })
+            message,
+        }
     }
 
     /// The board database: `<data_dir>/board.db`.

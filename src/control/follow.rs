@@ -22,7 +22,7 @@ use tokio::sync::broadcast;
 
 use super::ops::{OpError, Outcome, respond};
 use super::out::Out;
-use super::protocol::{Events, FollowReply, MAX_PAGE_BYTES, RequestId, Response};
+use super::protocol::{Events, FollowReply, MAX_REPLY_TEXT_BYTES, RequestId, Response};
 use super::server::Shared;
 use crate::actors::store::{EventFeed, Store};
 use crate::board::{Event, EventId, TaskId};
@@ -110,7 +110,7 @@ impl Follower {
             let (task, after) = (self.task, self.last);
             let page = self
                 .store
-                .read(move |tx| tx.events_since_within(task, after, PAGE, MAX_PAGE_BYTES))
+                .read(move |tx| tx.events_since_within(task, after, PAGE, MAX_REPLY_TEXT_BYTES))
                 .await;
             let page = match page {
                 Ok(page) => page,

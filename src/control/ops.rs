@@ -16,8 +16,8 @@ use super::follow;
 use super::out::Out;
 use super::protocol::{
     Block, CommentReply, CommentReq, Complete, Events, EventsReply, HeartbeatReply, LinkReply,
-    LiveWorker, MAX_LIST_REPLY_BYTES, MAX_PAGE_BYTES, PROTOCOL_VERSION, ReapReply, Reclaim,
-    Request, RequestId, Response, ShutdownReply, StatusReply, TaskReply, TasksReply, code,
+    LiveWorker, MAX_REPLY_TEXT_BYTES, PROTOCOL_VERSION, ReapReply, Reclaim, Request, RequestId,
+    Response, ShutdownReply, StatusReply, TaskReply, TasksReply, code,
 };
 use super::server::{Role, Shared};
 use crate::actors::reaper::SweepNow;
@@ -130,7 +130,7 @@ pub(super) fn start(
             write(shared, id, move |tx, now| tx.create_task(&new, now))
         }
         Request::ListTasks(filter) => read(shared, id, move |tx| {
-            let (tasks, truncated) = tx.list_tasks_within(&filter, MAX_LIST_REPLY_BYTES)?;
+            let (tasks, truncated) = tx.list_tasks_within(&filter, MAX_REPLY_TEXT_BYTES)?;
             Ok(TasksReply { tasks, truncated })
         }),
         Request::ShowTask(s) => read(shared, id, move |tx| {
@@ -413,7 +413,7 @@ fn events_page(
         if let Some(task) = e.task {
             tx.task_status(task)?; // not_found for a task that does not exist
         }
-        let (events, cut) = tx.events_since_within(e.task, e.since, limit, MAX_PAGE_BYTES)?;
+        let (events, cut) = tx.events_since_within(e.task, e.since, limit, MAX_REPLY_TEXT_BYTES)?;
         Ok(EventsReply {
             last_id: events.last().map_or(e.since, |ev| ev.id),
             more: cut || events.len() as u32 == limit,

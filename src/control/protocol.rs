@@ -570,18 +570,16 @@ pub struct TasksReply {
     /// The tasks.
     pub tasks: Vec<Task>,
     /// More tasks matched than fit in one reply (their text over
-    /// [`MAX_LIST_REPLY_BYTES`]); absent when false.
+    /// [`MAX_REPLY_TEXT_BYTES`]); absent when false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub truncated: bool,
 }
 
-/// The most task text (titles, bodies, results) one `list_tasks` reply carries; the rest is
-/// left out and the reply says `truncated`.
-pub const MAX_LIST_REPLY_BYTES: usize = 16 * 1024 * 1024;
-
-/// About the most event payload text one `events` page (or one catch-up page of a follow)
-/// reads; a page cut there says `more`, and the next page goes on from its `last_id`.
-pub const MAX_PAGE_BYTES: usize = 16 * 1024 * 1024;
+/// About the most text one reply carries: task text (titles, bodies, results) in a
+/// `list_tasks` reply, whose rest is left out and the reply says `truncated`; event payload
+/// text in an `events` page (or a follow's catch-up page), which is cut there with `more`, the
+/// next page going on from its `last_id`.
+pub const MAX_REPLY_TEXT_BYTES: usize = 16 * 1024 * 1024;
 
 /// A transition succeeded; the task as it is after it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

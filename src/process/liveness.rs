@@ -90,17 +90,11 @@ pub fn group_alive(pgid: Pid) -> bool {
     if !names_a_group(pgid) {
         return false;
     }
-    let Ok(dir) = std::fs::read_dir("/proc") else {
+    let Some(pids) = proc_pids() else {
         return true;
     };
     let mut unreadable = false;
-    for entry in dir {
-        let Some(pid) = entry
-            .ok()
-            .and_then(|e| e.file_name().to_str()?.parse::<Pid>().ok())
-        else {
-            continue;
-        };
+    for pid in pids {
         match read_stat(pid) {
             // Short-circuits on the first live member.
             Ok(stat) if stat.pgrp == pgid && !stat.is_zombie() => return true,
@@ -138,6 +132,11 @@ fn group_scan(pgid: Pid) -> Option<impl Iterator<Item = Pid>> {
 /// Every process's stat, skipping entries that vanish or cannot be read mid-scan; `None` when
 /// /proc itself cannot be listed.
 pub(crate) fn all_stats() -> Option<impl Iterator<Item = ProcStat>> {
+    Some(proc_pids()?.filter_map(|pid| read_stat(pid).ok()))
+}
+
+/// The pids listed in /proc; `None` when it cannot be listed.
+fn proc_pids() -> Option<impl Iterator<Item = Pid>> {
     let dir = match std::fs::read_dir("/proc") {
         Ok(dir) => dir,
         Err(err) => {
@@ -145,10 +144,7 @@ pub(crate) fn all_stats() -> Option<impl Iterator<Item = ProcStat>> {
             return None;
         }
     };
-    Some(dir.filter_map(|entry| {
-        let pid: Pid = entry.ok()?.file_name().to_str()?.parse().ok()?;
-        read_stat(pid).ok()
-    }))
+    Some(dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok()))
 }
 
 #[cfg(test)]
