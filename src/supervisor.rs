@@ -305,12 +305,12 @@ impl SupervisorHandle {
         .map_err(Into::into)
     }
 
-    /// A task with its runs, events and comments.
+    /// A task with its runs, last 200 events and comments, as bounded as a `show_task` reply
+    /// (the oldest left out and counted in `omitted_*`).
     pub fn task(&self, id: TaskId) -> Result<TaskDetail, SupervisorError> {
-        Ok(self
-            .services
-            .store
-            .read_blocking(move |tx| tx.task_detail(id, 200))?)
+        Ok(self.services.store.read_blocking(move |tx| {
+            tx.task_detail(id, 200, crate::control::protocol::MAX_REPLY_TEXT_BYTES)
+        })?)
     }
 
     /// Waits until the task is `done`, `blocked` or `archived` (or `timeout` passes).

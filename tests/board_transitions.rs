@@ -408,7 +408,10 @@ fn link_refuses_a_cycle_and_names_it() {
     ));
 
     // The refused links wrote nothing: a is still ready with no parent.
-    let detail = tb.board.read(|tx| tx.task_detail(a, 100)).unwrap();
+    let detail = tb
+        .board
+        .read(|tx| tx.task_detail(a, 100, usize::MAX))
+        .unwrap();
     assert!(detail.parents.is_empty(), "{:?}", detail.parents);
     assert_eq!(detail.task.status, TaskStatus::Ready);
     assert!(events_of(&mut tb.board, a, "linked").is_empty());
@@ -699,4 +702,101 @@ fn migrations_are_idempotent_and_a_newer_schema_is_refused() {
     assert_eq!(version, 99);
     drop(conn);
     drop(dir);
+}
+
+#[test]
+fn task_detail_keeps_the_newest_runs_comments_and_events_within_its_bound() {
+    let mut tb = temp_board();
+    let task = ready(&mut tb, "retried");
+    // Five runs, each reclaimed (the task is ready again), and five comments.
+    let mut runs = Vec::new();
+    let mut comments = Vec::new();
+    for i in 0..5 {
+        let now = T + 10 * i;
+        runs.push(claim(&mut tb, task, now).run_id);
+        tb.board
+            .write(|tx| tx.reclaim_task(task, "operator", now + 1))
+            .unwrap();
+        comments.push(
+            tb.board
+                .write(|tx| tx.comment(task, "op", &"c".repeat(100), now + 2))
+                .unwrap(),
+        );
+    }
+    let all_events = events_of_all(&mut tb, task);
+
+    // Unbounded: everything, oldest first, nothing omitted.
+    let whole = tb
+        .board
+        .read(|tx| tx.task_detail(task, 10_000, usize::MAX))
+        .unwrap();
+    assert_eq!(whole.runs.iter().map(|r| r.id).collect::<Vec<_>>(), runs);
+    assert_eq!(
+        whole.comments.iter().map(|c| c.id).collect::<Vec<_>>(),
+        comments
+    );
+    assert_eq!(whole.events.len(), all_events.len());
+    assert_eq!(
+        (
+            whole.omitted_runs,
+            whole.omitted_comments,
+            whole.omitted_events
+        ),
+        (0, 0, 0)
+    );
+
+    // A bound of ~600 bytes a kind: fewer of each, the newest, oldest first, and the rest
+    // counted. (Each run or comment costs 128 bytes beside its text.)
+    let cut = tb
+        .board
+        .read(|tx| tx.task_detail(task, 10_000, 3 * 600))
+        .unwrap();
+    let shown_runs: Vec<_> = cut.runs.iter().map(|r| r.id).collect();
+    assert!((1..5).contains(&shown_runs.len()), "{shown_runs:?}");
+    assert_eq!(shown_runs, runs[5 - shown_runs.len()..]);
+    assert_eq!(cut.omitted_runs as usize + shown_runs.len(), 5);
+    let shown_comments: Vec<_> = cut.comments.iter().map(|c| c.id).collect();
+    assert_eq!(shown_comments, comments[5 - 2..], "228 bytes each: two fit");
+    assert_eq!(cut.omitted_comments, 3);
+    assert!(
+        !cut.events.is_empty() && cut.events.len() < all_events.len(),
+        "{} of {} events",
+        cut.events.len(),
+        all_events.len()
+    );
+    assert_eq!(
+        cut.events.iter().map(|e| e.id).collect::<Vec<_>>(),
+        all_events[all_events.len() - cut.events.len()..]
+    );
+    assert_eq!(
+        cut.omitted_events as usize + cut.events.len(),
+        all_events.len()
+    );
+
+    // A bound smaller than one row still shows the newest of each.
+    let tiny = tb.board.read(|tx| tx.task_detail(task, 3, 1)).unwrap();
+    assert_eq!(
+        (tiny.runs.len(), tiny.comments.len(), tiny.events.len()),
+        (1, 1, 1)
+    );
+    assert_eq!(tiny.runs[0].id, runs[4]);
+    assert_eq!(
+        (
+            tiny.omitted_runs,
+            tiny.omitted_comments,
+            tiny.omitted_events
+        ),
+        (4, 4, 2),
+        "of the 3 events asked for, 2 left out"
+    );
+}
+
+fn events_of_all(tb: &mut TempBoard, task: TaskId) -> Vec<i64> {
+    tb.board
+        .read(|tx| tx.events_since_within(Some(task), 0, 10_000, usize::MAX))
+        .unwrap()
+        .0
+        .into_iter()
+        .map(|e| e.id)
+        .collect()
 }

@@ -9,7 +9,8 @@
 //! - a string `id` over 256 bytes: `bad_request` with `"id":null`;
 //! - a `list_tasks` limit over 10000: clamped to 10000; a list whose task text is over 16 MiB:
 //!   cut to the newest that fit, marked `truncated`; an `events` page over 16 MiB of payloads:
-//!   cut, with `more`;
+//!   cut, with `more`; a `show_task` whose comments or events are over a third of that each:
+//!   the oldest left out and counted (`omitted_comments`, `omitted_events`);
 //! - a client that sends requests but does not read the replies: the server stops reading
 //!   it once 8 MiB of replies wait, and answers everything once the client reads;
 //! - a task for an assignee the config does not have: `bad_request` naming the configured
@@ -359,6 +360,85 @@ fn a_list_or_events_page_too_big_for_one_reply_is_cut_and_says_so() {
         .filter_map(|e| e.task_id)
         .collect();
     assert_eq!(created, ids, "every event once, in order");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_task_with_too_much_history_for_one_reply_shows_its_newest_and_counts_the_rest() {
+    use runwarden::control::protocol::{Block, MAX_REPLY_TEXT_BYTES};
+    let mut d = Daemon::start("synchronous = \"normal\"", "");
+    let mut c = d.client();
+    // No assignee is configured, so the task never runs: its history is an operator's.
+    let id = c
+        .add_task(&NewTask::titled("history"))
+        .expect("add_task")
+        .id;
+    // 10 comments and 10 block/unblock rounds of ~900 KB each: ~9 MB of comment bodies and
+    // ~9 MB of `blocked` payloads, each over the third of a reply they get.
+    let big = |i: usize| format!("{i} {}", "x".repeat(900_000));
+    let mut comment_ids = Vec::new();
+    for i in 0..10 {
+        comment_ids.push(c.comment(id, &big(i), None).expect("comment"));
+        c.block(Block {
+            task: id,
+            run: None,
+            token: None,
+            reason: big(i),
+            force: true,
+        })
+        .expect("block");
+        c.unblock(id).expect("unblock");
+    }
+
+    let detail = c.show_task(id, Some(10_000)).expect("show_task");
+    let share = MAX_REPLY_TEXT_BYTES / 3;
+    let bodies: usize = detail.comments.iter().map(|c| c.body.len()).sum();
+    assert!(bodies <= share, "{bodies} bytes of comments");
+    assert!(
+        detail.omitted_comments > 0 && !detail.comments.is_empty(),
+        "{} comments shown, {} omitted",
+        detail.comments.len(),
+        detail.omitted_comments
+    );
+    // The newest, oldest first, none skipped; shown + omitted = all.
+    let shown: Vec<i64> = detail.comments.iter().map(|c| c.id).collect();
+    let newest = &comment_ids[comment_ids.len() - shown.len()..];
+    assert_eq!(shown, newest);
+    assert_eq!(
+        shown.len() as u64 + detail.omitted_comments,
+        comment_ids.len() as u64
+    );
+
+    assert!(detail.omitted_events > 0, "no events omitted");
+    let all = c.events(0, Some(id)).expect("the task's events, paged");
+    assert_eq!(
+        detail.events.len() as u64 + detail.omitted_events,
+        all.len() as u64,
+        "shown + omitted = every event of the task (fewer than the 10000 asked for)"
+    );
+    let tail: Vec<_> = all[all.len() - detail.events.len()..]
+        .iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(
+        detail.events.iter().map(|e| e.id).collect::<Vec<_>>(),
+        tail,
+        "the newest events, in order"
+    );
+
+    // A task whose history fits says nothing of the kind.
+    let small = c.add_task(&NewTask::titled("small")).expect("add_task").id;
+    c.comment(small, "a note", None).expect("comment");
+    let detail = c.show_task(small, None).expect("show_task");
+    assert_eq!(
+        (
+            detail.comments.len(),
+            detail.omitted_comments,
+            detail.omitted_events,
+            detail.omitted_runs
+        ),
+        (1, 0, 0, 0)
+    );
     d.assert_healthy();
 }
 

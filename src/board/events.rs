@@ -89,20 +89,30 @@ impl Tx<'_> {
                 stmt.query_map(params![task, after, limit], rows::event)?
             }
         };
-        Ok(rows::take_within(rows, max_bytes, |ev: &Event| {
-            text_size(&ev.payload) + ev.kind.len()
-        })?)
+        Ok(rows::take_within(rows, max_bytes, event_size)?)
     }
 
-    /// The last `limit` events of a task, oldest first.
-    pub fn recent_task_events(&self, task_id: TaskId, limit: u32) -> Result<Vec<Event>> {
-        let sql = format!(
-            "SELECT {EVENT_COLS} FROM (SELECT {EVENT_COLS} FROM task_events WHERE task_id = ?1 \
-             ORDER BY id DESC LIMIT ?2) ORDER BY id"
-        );
-        let mut stmt = self.conn.prepare_cached(&sql)?;
-        let rows = stmt.query_map(params![task_id, limit], rows::event)?;
-        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    /// The last `limit` events of a task, oldest first, within about `max_bytes` of payload
+    /// text; and how many of those last `limit` were left out (the oldest) to stay within it.
+    pub fn recent_task_events_within(
+        &self,
+        task_id: TaskId,
+        limit: u32,
+        max_bytes: usize,
+    ) -> Result<(Vec<Event>, u64)> {
+        static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let sql = SQL.get_or_init(|| {
+            format!(
+                "SELECT {EVENT_COLS} FROM task_events WHERE task_id = ?1 ORDER BY id DESC LIMIT ?2"
+            )
+        });
+        let mut stmt = self.conn.prepare_cached(sql)?;
+        let mut rows = stmt.query_map(params![task_id, limit], rows::event)?;
+        let (mut events, cut) = rows::take_within(&mut rows, max_bytes, event_size)?;
+        // `take_within` read the first event that did not fit; the rest are counted.
+        let omitted = if cut { 1 + rows.count() as u64 } else { 0 };
+        events.reverse();
+        Ok((events, omitted))
     }
 
     /// The id of the newest event (0 on an empty log).
@@ -122,6 +132,11 @@ impl Tx<'_> {
 /// a `Vec`; `Display` goes through `fmt::Write` and costs several times as much per event.)
 fn payload_text(payload: &serde_json::Value) -> String {
     serde_json::to_string(payload).unwrap_or_else(|_| payload.to_string())
+}
+
+/// What an event costs a bounded page: its kind and payload text.
+fn event_size(ev: &Event) -> usize {
+    text_size(&ev.payload) + ev.kind.len()
 }
 
 /// About how much text a payload holds (its strings and keys, plus a little per value): what a

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use rusqlite::{OptionalExtension, params};
 
 use super::rows::{self, RUN_COLS, TASK_COLS};
-use super::types::{Millis, Run, RunId, Task, TaskDetail, TaskFilter, TaskId, TaskStatus};
+use super::types::{Comment, Millis, Run, RunId, Task, TaskDetail, TaskFilter, TaskId, TaskStatus};
 use super::{BoardError, Result, Tx};
 
 /// A task is not claimable while an earlier run of it still holds worker evidence: that
@@ -19,6 +19,15 @@ const DEFAULT_LIST_LIMIT: u32 = 1000;
 /// Most tasks `list_tasks` returns at all: a larger `limit` is clamped to it (as an `events`
 /// page is), so one request cannot make the supervisor build an unbounded reply.
 const MAX_LIST_LIMIT: u32 = 10_000;
+/// What a run or comment costs a bounded reply beside its free text (ids, times, field names),
+/// so that many tiny rows are bounded too.
+pub(super) const ROW_OVERHEAD: usize = 128;
+
+/// Rows read newest first, in the order a reply shows them.
+fn oldest_first<T>(mut rows: Vec<T>) -> Vec<T> {
+    rows.reverse();
+    rows
+}
 
 impl Tx<'_> {
     /// One task.
@@ -132,8 +141,16 @@ impl Tx<'_> {
         })?)
     }
 
-    /// A task with its links, runs, last `event_limit` events and comments.
-    pub fn task_detail(&self, id: TaskId, event_limit: u32) -> Result<TaskDetail> {
+    /// A task with its links, runs, last `event_limit` events and comments, the runs, events
+    /// and comments within about `max_bytes` of their text (a third each, at least one of each
+    /// kind). What does not fit is the oldest, and the reply counts it (`omitted_*`): a task
+    /// retried for months, or commented on by a chatty tool, still makes a bounded reply.
+    pub fn task_detail(
+        &self,
+        id: TaskId,
+        event_limit: u32,
+        max_bytes: usize,
+    ) -> Result<TaskDetail> {
         let task = self.get_task(id)?;
         let ids = |sql: &str| -> Result<Vec<TaskId>> {
             let mut stmt = self.conn.prepare_cached(sql)?;
@@ -144,19 +161,56 @@ impl Tx<'_> {
             ids("SELECT parent_id FROM task_links WHERE child_id = ?1 ORDER BY parent_id")?;
         let children =
             ids("SELECT child_id FROM task_links WHERE parent_id = ?1 ORDER BY child_id")?;
+        let share = max_bytes / 3;
+        let count = |sql: &str| -> Result<u64> {
+            Ok(self
+                .conn
+                .prepare_cached(sql)?
+                .query_row([id], |r| r.get(0))?)
+        };
+
+        static RUNS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let sql = RUNS.get_or_init(|| {
+            format!("SELECT {RUN_COLS} FROM task_runs WHERE task_id = ?1 ORDER BY id DESC")
+        });
+        let mut stmt = self.conn.prepare_cached(sql)?;
+        let (runs, cut) = rows::take_within(stmt.query_map([id], rows::run)?, share, |r: &Run| {
+            ROW_OVERHEAD
+                + r.error.as_ref().map_or(0, String::len)
+                + r.summary.as_ref().map_or(0, String::len)
+        })?;
+        let omitted_runs = if cut {
+            count("SELECT count(*) FROM task_runs WHERE task_id = ?1")? - runs.len() as u64
+        } else {
+            0
+        };
+
         let mut stmt = self.conn.prepare_cached(
-            "SELECT id, task_id, author, body, at FROM task_comments WHERE task_id = ?1 ORDER BY id",
+            "SELECT id, task_id, author, body, at FROM task_comments WHERE task_id = ?1 \
+             ORDER BY id DESC",
         )?;
-        let comments = stmt
-            .query_map([id], rows::comment)?
-            .collect::<rusqlite::Result<_>>()?;
+        let (comments, cut) = rows::take_within(
+            stmt.query_map([id], rows::comment)?,
+            share,
+            |c: &Comment| ROW_OVERHEAD + c.author.len() + c.body.len(),
+        )?;
+        let omitted_comments = if cut {
+            count("SELECT count(*) FROM task_comments WHERE task_id = ?1")? - comments.len() as u64
+        } else {
+            0
+        };
+
+        let (events, omitted_events) = self.recent_task_events_within(id, event_limit, share)?;
         Ok(TaskDetail {
-            runs: self.runs_for_task(id)?,
-            events: self.recent_task_events(id, event_limit)?,
+            runs: oldest_first(runs),
+            events,
             task,
             parents,
             children,
-            comments,
+            comments: oldest_first(comments),
+            omitted_runs,
+            omitted_comments,
+            omitted_events,
         })
     }
 

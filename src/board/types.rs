@@ -265,6 +265,20 @@ pub struct TaskDetail {
     pub runs: Vec<Run>,
     pub events: Vec<Event>,
     pub comments: Vec<Comment>,
+    /// Older runs left out to keep the reply bounded (see `Tx::task_detail`); absent when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted_runs: u64,
+    /// Older comments left out the same way; absent when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted_comments: u64,
+    /// Of the most recent events asked for, the older ones left out the same way (the `events`
+    /// op pages through all of them); absent when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted_events: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Filters for `list_tasks`.

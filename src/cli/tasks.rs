@@ -154,12 +154,20 @@ fn print_detail(out: &Out, d: &TaskDetail) -> Result<(), CliError> {
     if !d.children.is_empty() {
         field("needed by", join_ids(&d.children))?;
     }
+    let omitted = |n: u64, what: &str| match n {
+        0 => Ok(()),
+        n => line(&format!(
+            "  ({n} older {what} not shown: the reply is bounded)"
+        )),
+    };
     if !d.runs.is_empty() {
         line("runs")?;
+        omitted(d.omitted_runs, "runs")?;
         runs_table(&d.runs).print(out, "  ")?;
     }
     if !d.events.is_empty() {
         line(&format!("events (last {})", d.events.len()))?;
+        omitted(d.omitted_events, "events")?;
         let mut table = Table::new(&["ID", "WHEN", "RUN", "KIND", "DETAIL"]);
         for ev in &d.events {
             table.row(vec![
@@ -174,6 +182,7 @@ fn print_detail(out: &Out, d: &TaskDetail) -> Result<(), CliError> {
     }
     if !d.comments.is_empty() {
         line("comments")?;
+        omitted(d.omitted_comments, "comments")?;
         for c in &d.comments {
             line(&format!("  [{}] {}: {}", ago(c.at), c.author, c.body))?;
         }

@@ -137,6 +137,7 @@ pub(super) fn start(
             tx.task_detail(
                 s.task,
                 s.events.unwrap_or(DEFAULT_SHOW_EVENTS).min(MAX_PAGE),
+                MAX_REPLY_TEXT_BYTES,
             )
         }),
         Request::Complete(c) => complete(shared, id, c),

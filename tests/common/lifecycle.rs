@@ -89,7 +89,7 @@ pub trait View {
     }
 
     fn detail(&mut self, id: TaskId) -> TaskDetail {
-        self.read(|tx| tx.task_detail(id, 10_000))
+        self.read(|tx| tx.task_detail(id, 10_000, usize::MAX))
     }
 
     fn runs(&mut self, id: TaskId) -> Vec<Run> {
