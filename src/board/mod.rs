@@ -9,6 +9,7 @@
 
 mod dispatch;
 mod events;
+mod prune;
 mod reads;
 mod reaper;
 mod rows;

@@ -129,6 +129,11 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE task_events_v3 RENAME TO task_events;
     CREATE INDEX events_task ON task_events(task_id, id);
     "#,
+    // v4: the retention sweep finds finished tasks by age, oldest first, without reading
+    // every finished task on each tick.
+    r#"
+    CREATE INDEX tasks_finished ON tasks(updated_at, id) WHERE status IN ('done', 'archived');
+    "#,
 ];
 
 /// The schema version this build writes.

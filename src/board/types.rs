@@ -310,7 +310,7 @@ pub struct Failure {
 
 /// Every event kind the board writes (docs/lifecycle.md lists what each means). Hooks are
 /// checked against it at load, so `on = ["gaveup"]` is refused instead of never firing.
-pub const EVENT_KINDS: [&str; 25] = [
+pub const EVENT_KINDS: [&str; 26] = [
     "created",
     "linked",
     "commented",
@@ -333,6 +333,7 @@ pub const EVENT_KINDS: [&str; 25] = [
     "gave_up",
     "terminal_worker_reaped",
     "terminal_worker_gone",
+    "pruned",
     "terminal_worker_pid_recycled",
     "reclaim_deferred",
     "event_ids_reserved",

@@ -84,6 +84,9 @@ pub struct Config {
     /// `[control]`: the Unix control socket.
     #[serde(default)]
     pub control: ControlConfig,
+    /// `[retention]`: how long finished tasks are kept.
+    #[serde(default)]
+    pub retention: RetentionConfig,
     /// `[assignees.NAME]`: who runs tasks, and how.
     #[serde(default)]
     pub assignees: BTreeMap<String, AssigneeConfig>,
@@ -232,6 +235,17 @@ impl Default for RetriesConfig {
     }
 }
 
+/// `[retention]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// A task `done` or `archived` this long ago (its last change) is deleted from the board
+    /// with its runs, events, comments and links, its log files and its default work directory,
+    /// once no worker of it may be alive. Default 0s: kept for ever.
+    #[serde(with = "duration")]
+    pub finished: Duration,
+}
+
 /// `[control]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -302,6 +316,7 @@ impl Config {
             leases: LeasesConfig::default(),
             retries: RetriesConfig::default(),
             control: ControlConfig::default(),
+            retention: RetentionConfig::default(),
             assignees: BTreeMap::new(),
             hooks: Vec::new(),
         }

@@ -51,8 +51,19 @@ fn empty_file_has_every_default() {
     assert_eq!(c.control.max_connections, 256);
     assert_eq!(c.control.max_request_bytes, 1_048_576);
     assert!(c.control.allowed_uids.is_empty());
+    assert_eq!(c.retention.finished, Duration::ZERO, "kept for ever");
     assert!(c.assignees.is_empty());
     assert!(c.hooks.is_empty());
+}
+
+#[test]
+fn retention_takes_a_duration_and_names_its_key_when_wrong() {
+    let c = parse_ok("[retention]\nfinished = \"30days\"\n");
+    assert_eq!(c.retention.finished, Duration::from_secs(30 * 24 * 3600));
+    let message = parse_err("[retention]\nfinished = \"a month\"\n");
+    assert!(message.contains("finished"), "{message}");
+    let message = parse_err("[retention]\nfinshed = \"1d\"\n");
+    assert!(message.contains("finshed"), "{message}");
 }
 
 #[test]

@@ -6,6 +6,7 @@
 //! overlap: a trigger during a pass schedules exactly one more.
 
 mod reconcile;
+mod retention;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -29,6 +30,7 @@ const QUIET_KINDS: &[&str] = &[
     "commented",
     "claimed",
     "worker_exited",
+    "pruned",
 ];
 
 /// Kinds the transaction recording a worker's exit appends after `worker_exited`.
@@ -200,6 +202,7 @@ pub struct DispatcherActor {
     /// tick on 2 loaded cores: 100+ blocking threads, workers' exits recorded seconds late,
     /// dispatching stalled).
     chores_running: Arc<std::sync::atomic::AtomicBool>,
+    retention: retention::Retention,
 }
 
 impl DispatcherActor {
@@ -237,6 +240,7 @@ impl DispatcherActor {
             reconciling: false,
             last_lease_refresh: None,
             chores_running: Arc::default(),
+            retention: retention::Retention::default(),
         }
     }
 
@@ -499,6 +503,12 @@ impl DispatcherActor {
                 tracing::warn!(error = %e, "promotion sweep failed");
             }
         });
+        self.retention.sweep(
+            self.config.retention.finished,
+            &self.store,
+            self.config.logs_dir(),
+            self.config.work_dir(),
+        );
         // Zombies of descendants re-parented to us (we are a subreaper) are collected here;
         // our own workers' leaders are reaped by their actors, never here.
         let logs: Vec<_> = self
@@ -516,7 +526,7 @@ impl DispatcherActor {
         {
             return; // The previous round is still running: skip this one (see the field).
         }
-        let running = ChoresRunning(self.chores_running.clone());
+        let running = ClearOnDrop(self.chores_running.clone());
         // Without the subreaper role no orphan is ours, and the host's own children must be
         // left to the host.
         let subreaper = self.config.supervisor.subreaper;
@@ -555,10 +565,11 @@ impl DispatcherActor {
     }
 }
 
-/// Clears the dispatcher's `chores_running` flag when a round of chores ends (even by a panic).
-struct ChoresRunning(Arc<std::sync::atomic::AtomicBool>);
+/// Clears a "round running" flag (the tick's chores, a retention sweep) when the round ends,
+/// even by a panic.
+struct ClearOnDrop(Arc<std::sync::atomic::AtomicBool>);
 
-impl Drop for ChoresRunning {
+impl Drop for ClearOnDrop {
     fn drop(&mut self) {
         self.0.store(false, std::sync::atomic::Ordering::Release);
     }

@@ -1,0 +1,84 @@
+//! The retention sweep: finished tasks past their keep time leave the board with everything
+//! that hangs off them.
+
+use rusqlite::params;
+use serde_json::json;
+
+use super::types::{Millis, TaskId};
+use super::{Result, Tx};
+
+/// Done or archived, untouched since before the cutoff, and no run of it open or holding worker
+/// evidence: a worker that may still be alive keeps its task (and the reaper its row). Named
+/// index: without statistics the planner prefers `tasks_status` and sorts every finished task
+/// on each tick; `tasks_finished` reads them in age order and stops at the limit.
+const CANDIDATES: &str = "SELECT id FROM tasks INDEXED BY tasks_finished \
+     WHERE status IN ('done', 'archived') AND updated_at < ?1 \
+     AND NOT EXISTS (SELECT 1 FROM task_runs r WHERE r.task_id = tasks.id \
+                     AND (r.ended_at IS NULL OR r.worker_pid IS NOT NULL)) \
+     ORDER BY updated_at, id LIMIT ?2";
+
+impl Tx<'_> {
+    /// Deletes up to `limit` finished tasks last changed before `before`, oldest first, with
+    /// their runs, events, comments and links; returns their ids (their log files and work
+    /// directories are the caller's to remove). Records one `pruned` event naming them, written
+    /// *before* the deletions: event ids are `max(id) + 1`, so the log's newest event must
+    /// never be deleted, or an id a follower has seen would be handed out again.
+    pub fn prune_finished(&self, before: Millis, limit: u32, now: Millis) -> Result<Vec<TaskId>> {
+        let ids: Vec<TaskId> = self
+            .conn
+            .prepare_cached(CANDIDATES)?
+            .query_map(params![before, limit], |r| r.get(0))?
+            .collect::<rusqlite::Result<_>>()?;
+        if ids.is_empty() {
+            return Ok(ids);
+        }
+        self.append_event(
+            None,
+            None,
+            "pruned",
+            json!({ "tasks": ids, "before": before }),
+            now,
+        )?;
+        for sql in [
+            "DELETE FROM task_events WHERE task_id = ?1",
+            "DELETE FROM task_comments WHERE task_id = ?1",
+            // A child waiting on other parents is unaffected: a finished parent no longer holds
+            // it back, linked or not.
+            "DELETE FROM task_links WHERE parent_id = ?1",
+            "DELETE FROM task_links WHERE child_id = ?1",
+            "DELETE FROM task_runs WHERE task_id = ?1",
+            "DELETE FROM tasks WHERE id = ?1",
+        ] {
+            let mut stmt = self.conn.prepare_cached(sql)?;
+            for id in &ids {
+                stmt.execute([id])?;
+            }
+        }
+        Ok(ids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sweep runs on every tick: it must read finished tasks through their own index, in
+    /// age order, not scan every task.
+    #[test]
+    fn candidates_are_read_through_the_finished_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("board.db");
+        drop(crate::board::Board::open(&path).unwrap());
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {CANDIDATES}"))
+            .unwrap()
+            .query_map(params![0, 1], |r| r.get(3))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        let plan = plan.join(" | ");
+        assert!(plan.contains("USING INDEX tasks_finished"), "{plan}");
+        assert!(!plan.contains("TEMP B-TREE"), "sorts: {plan}");
+    }
+}

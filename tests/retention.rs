@@ -1,0 +1,300 @@
+//! `[retention] finished`: a task `done` or `archived` longer ago than that leaves the board —
+//! its row, runs, events, comments, links — and its log files and default work directory leave
+//! the disk, in bounded batches on the tick, with a `pruned` event naming the tasks. Nothing
+//! else is touched: unfinished tasks, recent ones, and any task a run of which still holds
+//! worker evidence (its worker may be alive: the reaper needs the row). Event ids stay strictly
+//! increasing across a prune. `0s` (the default) keeps everything.
+
+#[allow(dead_code)]
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::board::{LEASE_MS, TempBoard, completed_with_worker, sleeper, temp_board};
+use common::lifecycle::{complete_loop, sh_assignee};
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, TestDir, lib_config};
+use runwarden::board::{BoardError, Event, Millis, NewTask, TaskId, TaskStatus};
+use runwarden::config::AssigneeConfig;
+use runwarden::{Supervisor, SupervisorError, SupervisorHandle};
+
+const T: Millis = 1_700_000_000_000;
+
+fn create(tb: &mut TempBoard, title: &str, at: Millis) -> TaskId {
+    tb.board
+        .write(|tx| {
+            Ok(tx
+                .create_task(&NewTask::titled(title).for_assignee("coder"), at)?
+                .id)
+        })
+        .unwrap()
+}
+
+/// A task claimed and completed at `at` with no worker recorded (nothing left to end).
+fn done_at(tb: &mut TempBoard, title: &str, at: Millis) -> TaskId {
+    let id = create(tb, title, at - 10);
+    tb.board
+        .write(|tx| {
+            let claim = tx.claim_task(id, "test", at - 5, LEASE_MS)?;
+            tx.complete_task(id, Some(claim.run_id), Some("ok"), at)?;
+            Ok(())
+        })
+        .unwrap();
+    id
+}
+
+fn exists(tb: &mut TempBoard, id: TaskId) -> bool {
+    match tb.board.read(|tx| tx.get_task(id)) {
+        Ok(_) => true,
+        Err(BoardError::NotFound { .. }) => false,
+        Err(e) => panic!("get_task {id}: {e}"),
+    }
+}
+
+fn all_events(tb: &mut TempBoard) -> Vec<Event> {
+    tb.board
+        .read(|tx| tx.events_since_within(None, 0, 10_000, usize::MAX))
+        .unwrap()
+        .0
+}
+
+/// The tasks the `pruned` events name, in order.
+fn pruned_ids(events: &[Event]) -> Vec<TaskId> {
+    events
+        .iter()
+        .filter(|e| e.kind == "pruned")
+        .flat_map(|e| e.payload["tasks"].as_array().expect("tasks").clone())
+        .map(|v| v.as_i64().expect("a task id"))
+        .collect()
+}
+
+#[test]
+fn the_sweep_deletes_only_old_finished_tasks_without_live_evidence() {
+    let mut tb = temp_board();
+    let old = done_at(&mut tb, "old, done", T);
+    let archived = create(&mut tb, "old, archived", T - 50);
+    tb.board.write(|tx| tx.archive_task(archived, T)).unwrap();
+    let recent = done_at(&mut tb, "recent, done", T + 60_000);
+    // Done long ago, but its worker (a real process) may still be alive: kept.
+    let (worker, fp) = sleeper(60);
+    let (held, _) = completed_with_worker(&mut tb.board, "held", worker.pid(), Some(&fp), T);
+    let ready = create(&mut tb, "ready", T - 100);
+    let running = create(&mut tb, "running", T - 100);
+    tb.board
+        .write(|tx| tx.claim_task(running, "test", T - 90, LEASE_MS))
+        .unwrap();
+    let blocked = create(&mut tb, "blocked", T - 100);
+    tb.board
+        .write(|tx| tx.block_task(blocked, None, "needs a human", T - 90))
+        .unwrap();
+    // A child waiting on the old task and on an unfinished one stays waiting on the latter.
+    let child = create(&mut tb, "child", T - 100);
+    tb.board
+        .write(|tx| {
+            tx.link(old, child, T - 80)?;
+            tx.link(ready, child, T - 80)
+        })
+        .unwrap();
+    tb.board
+        .write(|tx| tx.comment(old, "op", "a note", T - 1))
+        .unwrap();
+    let newest_before = all_events(&mut tb).last().unwrap().id;
+
+    // One at a time, oldest first.
+    let cutoff = T + 1;
+    let first = tb
+        .board
+        .write(|tx| tx.prune_finished(cutoff, 1, T + 100_000))
+        .unwrap();
+    assert_eq!(first.len(), 1, "{first:?}");
+    let rest = tb
+        .board
+        .write(|tx| tx.prune_finished(cutoff, 100, T + 100_001))
+        .unwrap();
+    let mut pruned: Vec<_> = first.iter().chain(&rest).copied().collect();
+    pruned.sort();
+    assert_eq!(pruned, vec![old, archived]);
+    // A further sweep finds nothing and writes nothing.
+    let again = tb
+        .board
+        .write(|tx| tx.prune_finished(cutoff, 100, T + 100_002))
+        .unwrap();
+    assert!(again.is_empty(), "{again:?}");
+
+    for id in [old, archived] {
+        assert!(!exists(&mut tb, id), "task {id} still on the board");
+        let runs = tb.board.read(|tx| tx.runs_for_task(id)).unwrap();
+        assert!(runs.is_empty(), "runs of {id} left: {runs:?}");
+    }
+    for id in [recent, held, ready, running, blocked, child] {
+        assert!(exists(&mut tb, id), "task {id} was deleted");
+    }
+    let events = all_events(&mut tb);
+    assert!(
+        !events
+            .iter()
+            .any(|e| e.task_id == Some(old) || e.task_id == Some(archived)),
+        "events of pruned tasks left"
+    );
+    let pruned_events: Vec<_> = events.iter().filter(|e| e.kind == "pruned").collect();
+    assert_eq!(
+        pruned_events.len(),
+        2,
+        "one per sweep that deleted something"
+    );
+    assert_eq!(
+        pruned_ids(&events),
+        first.iter().chain(&rest).copied().collect::<Vec<_>>()
+    );
+    assert!(pruned_events.iter().all(|e| e.task_id.is_none()));
+    // Ids only grow: the pruned events come after every event seen before.
+    assert!(pruned_events[0].id > newest_before);
+    tb.board
+        .write(|tx| tx.comment(recent, "op", "later", T + 100_003))
+        .unwrap();
+    assert!(all_events(&mut tb).last().unwrap().id > pruned_events[1].id);
+
+    // The child lost only the finished parent; it still waits for `ready`.
+    let detail = tb
+        .board
+        .read(|tx| tx.task_detail(child, 10, usize::MAX))
+        .unwrap();
+    assert_eq!(detail.parents, vec![ready]);
+    assert_eq!(detail.task.status, TaskStatus::Todo);
+    drop(worker);
+}
+
+fn add(sup: &SupervisorHandle, who: &str) -> TaskId {
+    sup.add_task(NewTask::titled("retention").for_assignee(who))
+        .expect("add task")
+        .id
+}
+
+fn gone(sup: &SupervisorHandle, id: TaskId) -> bool {
+    match sup.task(id) {
+        Ok(_) => false,
+        Err(SupervisorError::Store(e)) if e.code == "not_found" => true,
+        Err(e) => panic!("task {id}: {e}"),
+    }
+}
+
+fn files(td: &TestDir, id: TaskId) -> [PathBuf; 3] {
+    let logs = td.data_dir().join("logs");
+    [
+        logs.join(format!("{id}.log")),
+        logs.join(format!("{id}.log.1")),
+        td.data_dir().join("work").join(id.to_string()),
+    ]
+}
+
+#[test]
+fn a_running_supervisor_deletes_finished_tasks_and_their_files_after_the_keep_time() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.retention.finished = Duration::from_secs(2);
+    // The writer's log outgrows the smallest rotation size while it runs, so the tick rotates
+    // it and the task has a backup log too; it also leaves a file in its work directory.
+    config.supervisor.log_max_bytes = 1024;
+    config.assignees.insert(
+        "writer".into(),
+        AssigneeConfig::new([
+            "sh",
+            "-c",
+            "head -c 1500 /dev/zero | tr '\\0' A; echo; mkdir -p sub && echo x > sub/file; \
+             sleep 0.5",
+        ]),
+    );
+    // Reports completion, then hangs: its run is done but its worker lives until the grace
+    // (long here) ends it, and until then the task must stay.
+    config.reaper.grace = Duration::from_secs(5);
+    let mut hang = sh_assignee(&format!("{}; sleep 300", complete_loop("ok")));
+    hang.max_in_progress = 1;
+    config.assignees.insert("hang".into(), hang);
+    let mut fails = AssigneeConfig::new(["sh", "-c", "exit 2"]);
+    fails.fail_exit_codes = vec![2];
+    config.assignees.insert("fails".into(), fails);
+    let sup = Supervisor::start(config).expect("start the supervisor");
+
+    let done = add(&sup, "writer");
+    assert_eq!(
+        sup.wait_for(done, SETTLE).expect("finishes").status,
+        TaskStatus::Done
+    );
+    let [log, backup, work] = files(&td, done);
+    assert!(
+        log.exists() && backup.exists() && work.join("sub/file").exists(),
+        "the task's files were never all there (rotated log: {})",
+        backup.exists()
+    );
+    let again = add(&sup, "writer");
+    sup.wait_for(again, SETTLE).expect("finishes");
+    let hung = add(&sup, "hang");
+    assert_eq!(
+        sup.wait_for(hung, SETTLE).expect("reports").status,
+        TaskStatus::Done
+    );
+    let blocked = add(&sup, "fails");
+    assert_eq!(
+        sup.wait_for(blocked, SETTLE).expect("gives up").status,
+        TaskStatus::Blocked
+    );
+
+    assert!(
+        wait_until(SETTLE, || gone(&sup, done) && gone(&sup, again)),
+        "finished tasks still on the board"
+    );
+    assert!(
+        wait_until(SETTLE, || files(&td, done)
+            .iter()
+            .chain(&files(&td, again))
+            .all(|f| !f.exists())),
+        "files left: {:?}",
+        files(&td, done)
+            .iter()
+            .chain(&files(&td, again))
+            .filter(|f| f.exists())
+            .collect::<Vec<_>>()
+    );
+    // Its worker is still within the grace: the hung task is kept, and so is the blocked one.
+    let run = sup.task(hung).expect("hung task still there").runs[0].clone();
+    assert!(
+        run.worker_pid.is_some(),
+        "the hung worker was already ended; the test's grace is too short for this machine"
+    );
+    assert!(!gone(&sup, blocked));
+    assert!(files(&td, blocked)[0].exists(), "the blocked task's log");
+
+    // Once the grace ends the worker, its task goes too.
+    assert!(
+        wait_until(SETTLE, || gone(&sup, hung)),
+        "the hung task was never deleted after its worker was ended"
+    );
+    let events = sup
+        .services()
+        .store
+        .read_blocking(|tx| tx.events_since(0, 10_000))
+        .expect("events");
+    let mut named = pruned_ids(&events);
+    named.sort();
+    assert_eq!(named, vec![done, again, hung]);
+    assert!(!gone(&sup, blocked), "an unfinished task is never deleted");
+    sup.shutdown();
+}
+
+#[test]
+fn without_a_keep_time_nothing_is_deleted() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config
+        .assignees
+        .insert("w".into(), AssigneeConfig::new(["true"]));
+    let sup = Supervisor::start(config).expect("start the supervisor");
+    let id = add(&sup, "w");
+    sup.wait_for(id, SETTLE).expect("finishes");
+    // Twenty ticks later the task is still there.
+    let ticks = wait_until(Duration::from_secs(1), || gone(&sup, id));
+    assert!(!ticks, "a task was deleted with retention off");
+    assert!(files(&td, id)[0].exists());
+    sup.shutdown();
+}
