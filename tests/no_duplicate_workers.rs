@@ -4,7 +4,11 @@
 //! - a run is released (reclaimed) and its leader dies at once, but a member of its group
 //!   ignores SIGTERM: the task must not be claimed again until that member is dead too;
 //! - a supervisor died between starting a worker and recording it: the next one finds the
-//!   worker by its run token and adopts it instead of starting a second one.
+//!   worker by its run token and adopts it instead of starting a second one;
+//! - a run is reclaimed while its worker is still being started (the spawn is under way, no
+//!   pid recorded yet): the task waits until that worker has been started, ended and reaped;
+//! - a supervisor died after such a reclaim, before the start settled: the next one finds the
+//!   late worker by its token and ends it, or finds none and frees the task.
 
 #[allow(dead_code)]
 mod common;
@@ -17,7 +21,7 @@ use common::lifecycle::{View, add, procs_of_run, sh_assignee, task_for, wait_run
 use common::proc_guard::{ChildGuard, wait_until};
 use common::runtime::{SETTLE, TestDir, lib_config};
 use runwarden::Supervisor;
-use runwarden::board::{Board, NewTask, RunOutcome, TaskStatus, now_millis};
+use runwarden::board::{Board, NewTask, RunOutcome, TaskId, TaskStatus, now_millis};
 
 #[test]
 fn a_released_task_waits_until_its_previous_group_is_gone() {
@@ -122,5 +126,149 @@ fn a_worker_started_but_never_recorded_is_found_by_its_token_and_adopted() {
         worker.pidfd().wait_exit(SETTLE).unwrap_or(false),
         "the adopted worker was not ended"
     );
+    sup.shutdown();
+}
+
+/// A log file that is a FIFO: the spawner's open of it blocks until the test opens the read
+/// end, which holds a worker's start "under way" exactly as long as the test wants.
+fn fifo_log(td: &TestDir, task: TaskId) -> std::path::PathBuf {
+    let logs = td.data_dir().join("logs");
+    std::fs::create_dir_all(&logs).expect("logs dir");
+    let path = logs.join(format!("{task}.log"));
+    nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+    path
+}
+
+#[test]
+fn a_run_reclaimed_while_its_worker_starts_holds_its_task_until_that_worker_is_gone() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    // Room for a second worker: what holds the task back is its own earlier run, not a cap.
+    let mut w = sh_assignee("exec sleep 300");
+    w.max_in_progress = 2;
+    config.assignees.insert("w".into(), w);
+    let mut sup = Supervisor::start(config).expect("start the supervisor");
+    // The task waits on an unassigned parent (never run) until its log is in place.
+    let gate = add(&sup, NewTask::titled("gate"));
+    let task = add(
+        &sup,
+        NewTask {
+            parents: vec![gate],
+            ..task_for("slow start", "w")
+        },
+    );
+    let log = fifo_log(&td, task);
+    write(&sup, move |tx, now| tx.complete_task(gate, None, None, now)).expect("open the gate");
+    let first = sup.wait_event(task, "claimed", SETTLE);
+    // Its spawn is now blocked opening the log; reclaim the run under it.
+    assert!(
+        sup.events_of(task, "worker_spawned").is_empty(),
+        "the worker started although its log had no reader"
+    );
+    write(&sup, move |tx, now| tx.reclaim_task(task, "test", now)).expect("reclaim");
+    // While that start is under way the task is not claimed again (20 ticks).
+    sup.assert_stays(
+        task,
+        TaskStatus::Ready,
+        &["claimed", "worker_spawned"],
+        Duration::from_secs(1),
+    );
+
+    // Let the start finish: the late worker is ended (its run is closed), and only then does
+    // a second run start.
+    let reader = std::fs::File::open(&log).expect("open the log's read end");
+    let drain = std::thread::spawn(move || {
+        let mut reader = reader;
+        let _ = std::io::copy(&mut reader, &mut std::io::sink());
+    });
+    let runs = sup.wait_events(task, "claimed", 2, SETTLE);
+    let first_run = first.run_id.expect("run id");
+    let events = sup.events(task);
+    let history = sup.history(task);
+    let position = |kind: &str, run: i64| {
+        events
+            .iter()
+            .position(|e| e.kind == kind && e.run_id == Some(run))
+            .unwrap_or_else(|| panic!("no {kind} for run {run}: {history}"))
+    };
+    let late_spawn = position("worker_spawned", first_run);
+    let late_exit = position("worker_exited", first_run);
+    let second_claim = position("claimed", runs[1].run_id.expect("run id"));
+    assert!(
+        late_spawn < late_exit && late_exit < second_claim,
+        "the second run was claimed before the first run's late worker was gone: {history}"
+    );
+    sup.wait_event(task, "worker_spawned", SETTLE);
+    sup.shutdown();
+    drain.join().expect("drain thread");
+}
+
+#[test]
+fn a_start_a_dead_supervisor_left_unsettled_is_settled_by_the_next() {
+    let td = TestDir::new();
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    // A previous incarnation claimed two runs to start their workers; both were reclaimed
+    // while the starts were under way, and it died before either start settled. One worker
+    // did start (it carries its run's token); the other never did.
+    let mut board = Board::open(&td.db_path()).expect("open the board");
+    let now = now_millis();
+    let pending = |board: &mut Board, title: &str| {
+        board
+            .write(|tx| {
+                let id = tx
+                    .create_task(&NewTask::titled(title).for_assignee("w"), now)?
+                    .id;
+                let claim = tx.claim_task_to_spawn(id, "runwarden:dead:00000000", now, 60_000)?;
+                tx.reclaim_task(id, "operator", now)?;
+                Ok(claim)
+            })
+            .expect("claim and reclaim")
+    };
+    let never = pending(&mut board, "never started");
+    let late = pending(&mut board, "started late");
+    drop(board);
+    let mut cmd = Command::new("sleep");
+    cmd.arg("300")
+        .process_group(0)
+        .env("RUNWARDEN_RUN_TOKEN", &late.token);
+    let worker = ChildGuard::spawn(&mut cmd).expect("start the late worker");
+
+    let mut config = lib_config(&td);
+    let mut w = sh_assignee("exit 0");
+    w.max_in_progress = 4;
+    config.assignees.insert("w".into(), w);
+    let mut sup = Supervisor::start(config).expect("start the supervisor");
+
+    // Nothing carries the first run's token: the start is settled and the task runs.
+    assert_eq!(
+        sup.wait_status(never.task_id, TaskStatus::Done, SETTLE)
+            .status,
+        TaskStatus::Done
+    );
+    // The late worker is found by its token, recorded on its closed run and ended; only then
+    // does its task run again.
+    let found = sup.wait_event(late.task_id, "worker_found", SETTLE);
+    assert_eq!(found.payload["pid"].as_i64(), Some(i64::from(worker.pid())));
+    assert!(
+        worker.pidfd().wait_exit(SETTLE).unwrap_or(false),
+        "the late worker was not ended"
+    );
+    sup.wait_status(late.task_id, TaskStatus::Done, SETTLE);
+    let events = sup.events(late.task_id);
+    let history = sup.history(late.task_id);
+    let at = |kind: &str| {
+        events
+            .iter()
+            .position(|e| e.kind == kind)
+            .unwrap_or_else(|| panic!("no {kind}: {history}"))
+    };
+    assert!(
+        at("worker_found") < at("terminal_worker_reaped")
+            && at("terminal_worker_reaped") < at("completed"),
+        "the task ran again before its late worker was ended: {history}"
+    );
+    let runs = sup.runs(late.task_id);
+    assert_eq!(runs.len(), 2, "{history}");
+    assert_eq!(runs[0].spawned_pid, Some(i64::from(worker.pid())));
     sup.shutdown();
 }

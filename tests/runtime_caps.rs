@@ -197,3 +197,57 @@ fn fifty_tasks_never_exceed_the_per_assignee_caps() {
     assert!(live.is_empty(), "no live workers left: {live:?}");
     sup.shutdown();
 }
+
+/// The caps count live workers, not open runs: a worker that reported completion and has not
+/// exited yet keeps its slot — under its assignee's cap and under the global one — until the
+/// grace ends it. Checked from the board's commit order: the next task's `claimed` comes after
+/// the hung worker's `worker_exited`.
+#[test]
+fn a_worker_that_reported_and_lingers_keeps_its_slot_until_it_is_gone() {
+    use common::lifecycle::{View, add, complete_loop, sh_assignee, task_for};
+    use std::time::Duration;
+
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.supervisor.max_in_progress = 2;
+    config.reaper.grace = Duration::from_millis(800);
+    // `a` reports and then lingers (cap 1); `b` (cap 5) runs quick tasks.
+    let mut a = sh_assignee(&format!("{}; exec sleep 300", complete_loop("ok")));
+    a.max_in_progress = 1;
+    config.assignees.insert("a".into(), a);
+    let mut b = sh_assignee(&format!("{}; exec sleep 300", complete_loop("ok")));
+    b.max_in_progress = 5;
+    config.assignees.insert("b".into(), b);
+    let mut sup = Supervisor::start(config).expect("start the supervisor");
+
+    // Assignee cap: a1 holds `a`'s only slot until its worker is gone, so a2 waits.
+    let a1 = add(&sup, task_for("a1", "a"));
+    let a2 = add(&sup, task_for("a2", "a"));
+    // Global cap (2): a1's lingering worker and b1's hold both slots, so b2 waits too.
+    let b1 = add(&sup, task_for("b1", "b"));
+    let b2 = add(&sup, task_for("b2", "b"));
+    for t in [a1, a2, b1, b2] {
+        sup.wait_status(t, TaskStatus::Done, SETTLE);
+        sup.wait_event(t, "worker_exited", SETTLE);
+    }
+    let events = sup.all_events();
+    let at = |task: TaskId, kind: &str| {
+        events
+            .iter()
+            .position(|e| e.task_id == Some(task) && e.kind == kind)
+            .unwrap_or_else(|| panic!("task {task} has no {kind}"))
+    };
+    // Both lingering workers reported (closing their runs) before anything else was claimed:
+    // the old rule (open runs) would have claimed a2 and b2 right then.
+    assert!(at(a1, "completed") < at(a2, "claimed"));
+    assert!(
+        at(a1, "worker_exited") < at(a2, "claimed"),
+        "a2 was claimed while a1's worker was alive (assignee cap 1)"
+    );
+    let first_gone = at(a1, "worker_exited").min(at(b1, "worker_exited"));
+    assert!(
+        first_gone < at(b2, "claimed"),
+        "b2 was claimed while a1's and b1's workers were both alive (global cap 2)"
+    );
+    sup.shutdown();
+}

@@ -1,8 +1,9 @@
 //! Sweeps cost O(rows still holding evidence / open runs), not O(history): the design requires a
 //! board with a million closed runs to tick as fast as an empty one. Timing is not asserted (no
 //! timed assertions in tests); the query plan is. On a board with 20 000 closed runs, the
-//! terminal reaper's candidate query must search the `runs_evidence` partial index and the open
-//! runs query the `runs_open` one, never scan `task_runs`.
+//! terminal reaper's candidate query must search the `runs_evidence` partial index, the open
+//! runs query the `runs_open` one and the caps' count the `runs_holding` one, never scan
+//! `task_runs`.
 //!
 //! The board exposes no EXPLAIN, so the plans are read through a second connection to the same
 //! file, for copies of the board's SQL. The copies are checked against the source text
@@ -34,9 +35,9 @@ const OPEN_RUNS: &str = "SELECT id, task_id, attempt, assignee, token, claimer, 
      started_at, ended_at, lease_expires_at, heartbeat_at, spawned_pid, worker_pid, \
      worker_boot_id, worker_start_ticks, exit_code, exit_signal, error, summary \
      FROM task_runs WHERE ended_at IS NULL ORDER BY id";
-/// `Tx::open_runs_by_assignee` (src/board/reads.rs): what the caps count on every tick.
-const OPEN_RUNS_BY_ASSIGNEE: &str =
-    "SELECT coalesce(assignee, '') FROM task_runs WHERE ended_at IS NULL";
+/// `Tx::slot_holders_by_assignee` (src/board/reads.rs): what the caps count on every pass.
+const SLOT_HOLDERS: &str = "SELECT coalesce(assignee, '') FROM task_runs INDEXED BY runs_holding \
+     WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1";
 
 /// Fragments of the board's source that the copies above must still match.
 const SOURCE_FRAGMENTS: &[(&str, &str)] = &[
@@ -59,7 +60,11 @@ const SOURCE_FRAGMENTS: &[(&str, &str)] = &[
     ),
     (
         READS_SRC,
-        "\"SELECT coalesce(assignee, '') FROM task_runs WHERE ended_at IS NULL\"",
+        "\"SELECT coalesce(assignee, '') FROM task_runs INDEXED BY runs_holding \\",
+    ),
+    (
+        READS_SRC,
+        "WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1\"",
     ),
 ];
 
@@ -190,7 +195,7 @@ fn sweep_queries_use_the_partial_indexes_not_the_history() {
             Ok((
                 tx.terminal_reap_candidates(now + 1_000_000, 120_000)?,
                 tx.open_runs()?,
-                tx.open_runs_by_assignee()?,
+                tx.slot_holders_by_assignee()?,
             ))
         })
         .unwrap();
@@ -204,7 +209,9 @@ fn sweep_queries_use_the_partial_indexes_not_the_history() {
         open.iter().map(|r| r.id).collect::<Vec<_>>(),
         vec![open_run]
     );
-    assert_eq!(by_assignee.get("coder"), Some(&1));
+    // The caps count live workers: the open run, and the four closed runs whose worker may
+    // still be alive (the legacy one too: it can never be proven gone). None of the history.
+    assert_eq!(by_assignee.get("coder"), Some(&5));
     // None of them is a candidate before its grace has passed.
     assert!(
         tb.board
@@ -220,7 +227,7 @@ fn sweep_queries_use_the_partial_indexes_not_the_history() {
     assert_eq!(total, HISTORY as i64 + 5);
     assert_uses_index(&conn, TERMINAL_REAP_CANDIDATES, "runs_evidence");
     assert_uses_index(&conn, OPEN_RUNS, "runs_open");
-    assert_uses_index(&conn, OPEN_RUNS_BY_ASSIGNEE, "runs_open");
+    assert_uses_index(&conn, SLOT_HOLDERS, "runs_holding");
     // The check can fail: without the index's predicate the same question scans the history.
     let unindexed = plan(
         &conn,
@@ -234,5 +241,5 @@ fn sweep_queries_use_the_partial_indexes_not_the_history() {
     let conn = rusqlite::Connection::open(&tb.path).unwrap();
     assert_uses_index(&conn, TERMINAL_REAP_CANDIDATES, "runs_evidence");
     assert_uses_index(&conn, OPEN_RUNS, "runs_open");
-    assert_uses_index(&conn, OPEN_RUNS_BY_ASSIGNEE, "runs_open");
+    assert_uses_index(&conn, SLOT_HOLDERS, "runs_holding");
 }

@@ -376,7 +376,7 @@ struct Profile {
     rw_spawn_cpu_us: f64,
     /// `kill(-pgid, 0)`: the O(1) alternative (ESRCH = no member left).
     kill0_us: f64,
-    /// One dispatch pass's reads (`ready_candidates(64)` + `open_runs_by_assignee`) on a board
+    /// One dispatch pass's reads (`ready_candidates(64)` + `slot_holders_by_assignee`) on a board
     /// with N ready tasks.
     pass_read_us: f64,
     log_tail_us: f64,
@@ -549,7 +549,7 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
         board
             .read(|tx| {
                 std::hint::black_box(tx.ready_candidates(now, limit)?);
-                std::hint::black_box(tx.open_runs_by_assignee()?);
+                std::hint::black_box(tx.slot_holders_by_assignee()?);
                 Ok(())
             })
             .map_err(|e| e.to_string())?;

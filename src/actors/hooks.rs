@@ -178,7 +178,25 @@ fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
     }
     let timed_out = match &pidfd {
         Ok(fd) => !fd.wait_exit(hook.timeout).unwrap_or(true),
-        Err(_) => false,
+        Err(e) => {
+            // No pidfd (e.g. out of descriptors): the timeout still holds. The hook is our
+            // child, not yet reaped, so its pid (and its group's id) cannot name anyone else
+            // until we wait for it: a plain killpg is safe here.
+            tracing::warn!(command = ?hook.command, error = %e, "no pidfd for a hook; polling it");
+            let deadline = crate::deadline_after(hook.timeout);
+            let mut exited = false;
+            while !exited && std::time::Instant::now() < deadline {
+                exited = !matches!(child.try_wait(), Ok(None));
+                if !exited {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            }
+            if !exited {
+                // SAFETY: killpg only sends a signal.
+                unsafe { libc::killpg(pid, libc::SIGKILL) };
+            }
+            !exited
+        }
     };
     if timed_out && let Ok(fd) = &pidfd {
         let _ = process::terminate_group(fd, HOOK_KILL_TIMEOUT);

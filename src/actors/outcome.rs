@@ -118,7 +118,8 @@ pub fn fail(
     Ok(())
 }
 
-/// Records a spawn failure: the run closes `spawn_failed` and the retry rules apply.
+/// Records a spawn failure: no worker will run (the run stops holding its task), and the run,
+/// if still open, closes `spawn_failed` with the retry rules applied.
 pub async fn record_spawn_failure(
     store: &Store,
     run_id: RunId,
@@ -127,6 +128,11 @@ pub async fn record_spawn_failure(
 ) -> Result<(), StoreError> {
     store
         .with_tx(move |tx, now| {
+            tx.settle_spawn(run_id)?;
+            if !tx.get_run(run_id)?.is_open() {
+                // Closed while its spawn was under way (reclaimed, archived): nothing to fail.
+                return Ok(());
+            }
             fail(
                 tx,
                 run_id,

@@ -396,12 +396,25 @@ pub fn backup_path(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// The last `n` bytes of a log file (lossy UTF-8), for a crash's error text.
+/// The last `n` bytes of a log file (lossy UTF-8), for a crash's error text. Called on the
+/// actor thread, so it never waits: opened non-blocking, and anything but a regular file (a
+/// FIFO put in the log's place would block a read until some writer came) gives "".
 pub fn log_tail(path: &Path, n: u64) -> String {
-    let Ok(mut f) = File::open(path) else {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(mut f) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+    else {
         return String::new();
     };
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let Ok(meta) = f.metadata() else {
+        return String::new();
+    };
+    if !meta.is_file() {
+        return String::new();
+    }
+    let len = meta.len();
     let _ = f.seek(SeekFrom::Start(len.saturating_sub(n)));
     let mut buf = Vec::new();
     let _ = f.take(n).read_to_end(&mut buf);

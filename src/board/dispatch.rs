@@ -84,6 +84,7 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
             }
             Err(error) => {
                 board.write(|tx| {
+                    tx.settle_spawn(claim.run_id)?;
                     tx.fail_run(
                         claim.run_id,
                         &super::Failure {
@@ -106,7 +107,7 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
     Ok(report)
 }
 
-/// The assignees (of `caps`) with fewer open runs than their cap: the only ones whose ready
+/// The assignees (of `caps`) with fewer slot-holding runs than their cap: the only ones whose ready
 /// tasks a pass should look at (see [`super::Tx::ready_candidates_for`]).
 pub fn assignees_with_room(
     open_by_assignee: &BTreeMap<String, u32>,
@@ -174,7 +175,7 @@ impl super::Tx<'_> {
         rules: &ClaimRules,
         max_claims: u32,
     ) -> Result<Vec<(Claim, super::Task)>> {
-        let open = self.open_runs_by_assignee()?;
+        let open = self.slot_holders_by_assignee()?;
         // Only assignees with a free slot: a full assignee's long backlog must not fill the
         // candidate list and starve the others (head-of-line blocking).
         let with_room = assignees_with_room(&open, &rules.caps);
@@ -204,7 +205,7 @@ impl super::Tx<'_> {
             // refused by its checks, before it writes anything. One that failed after writing
             // (an I/O error) fails the whole pass instead, undone by the caller's savepoint.
             let before = self.conn.total_changes();
-            match self.claim_task(task.id, &rules.claimer, now, rules.lease_ms) {
+            match self.claim_task_to_spawn(task.id, &rules.claimer, now, rules.lease_ms) {
                 Ok(claim) => claimed.push((claim, task)),
                 // (An error that rolled the whole transaction back leaves autocommit on.)
                 Err(e) if self.conn.total_changes() != before || self.conn.is_autocommit() => {

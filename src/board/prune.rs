@@ -7,14 +7,16 @@ use serde_json::json;
 use super::types::{Millis, TaskId};
 use super::{Result, Tx};
 
-/// Done or archived, untouched since before the cutoff, and no run of it open or holding worker
-/// evidence: a worker that may still be alive keeps its task (and the reaper its row). Named
+/// Done or archived, untouched since before the cutoff, and no run of it open, holding worker
+/// evidence or with its worker's start under way: a worker that may be alive keeps its task
+/// (and the reaper its row). Named
 /// index: without statistics the planner prefers `tasks_status` and sorts every finished task
 /// on each tick; `tasks_finished` reads them in age order and stops at the limit.
 const CANDIDATES: &str = "SELECT id FROM tasks INDEXED BY tasks_finished \
      WHERE status IN ('done', 'archived') AND updated_at < ?1 \
      AND NOT EXISTS (SELECT 1 FROM task_runs r WHERE r.task_id = tasks.id \
-                     AND (r.ended_at IS NULL OR r.worker_pid IS NOT NULL)) \
+                     AND (r.ended_at IS NULL OR r.worker_pid IS NOT NULL \
+                          OR r.spawn_pending = 1)) \
      ORDER BY updated_at, id LIMIT ?2";
 
 impl Tx<'_> {

@@ -8,11 +8,12 @@ use super::rows::{self, RUN_COLS, TASK_COLS};
 use super::types::{Comment, Millis, Run, RunId, Task, TaskDetail, TaskFilter, TaskId, TaskStatus};
 use super::{BoardError, Result, Tx};
 
-/// A task is not claimable while an earlier run of it still holds worker evidence: that
-/// worker (reclaimed, timed out, archived-then-unarchived…) may still be alive and being ended,
-/// and a second worker for the same task must never start beside it.
+/// A task is not claimable while an earlier run of it still holds worker evidence, or still
+/// has its worker's start under way: that worker (reclaimed, timed out, archived then
+/// unarchived, reclaimed before its spawn landed…) may be alive, and a second worker for the
+/// same task must never start beside it.
 pub(super) const NO_LIVE_PREVIOUS_WORKER: &str = "AND NOT EXISTS (SELECT 1 FROM task_runs r \
-     WHERE r.task_id = tasks.id AND r.worker_pid IS NOT NULL)";
+     WHERE r.task_id = tasks.id AND (r.worker_pid IS NOT NULL OR r.spawn_pending = 1))";
 
 /// Most tasks `list_tasks` returns without an explicit limit.
 const DEFAULT_LIST_LIMIT: u32 = 1000;
@@ -92,6 +93,21 @@ impl Tx<'_> {
         let sql = format!("SELECT {RUN_COLS} FROM task_runs WHERE task_id = ?1 ORDER BY id");
         let mut stmt = self.conn.prepare_cached(&sql)?;
         let rows = stmt.query_map([task_id], rows::run)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Runs whose worker's start is still marked under way (see
+    /// [`Tx::claim_task_to_spawn`]), open or closed, oldest first.
+    pub fn spawn_pending_runs(&self) -> Result<Vec<Run>> {
+        static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let sql = SQL.get_or_init(|| {
+            format!(
+                "SELECT {RUN_COLS} FROM task_runs INDEXED BY runs_spawn_pending \
+                 WHERE spawn_pending = 1 ORDER BY id"
+            )
+        });
+        let mut stmt = self.conn.prepare_cached(sql)?;
+        let rows = stmt.query_map([], rows::run)?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
@@ -230,12 +246,16 @@ impl Tx<'_> {
         Ok(counts)
     }
 
-    /// Open runs per assignee: what the caps count (a previous incarnation's live runs too).
-    pub fn open_runs_by_assignee(&self) -> Result<BTreeMap<String, u32>> {
-        // Counted here rather than with GROUP BY: there are few open runs, and SQLite would
+    /// Runs holding a worker slot, per assignee: what the caps count, since `max_in_progress`
+    /// bounds live workers. Open runs (a previous incarnation's too), and closed runs whose
+    /// worker may still be alive (it reported and has not exited yet, it is being ended) or is
+    /// still being started.
+    pub fn slot_holders_by_assignee(&self) -> Result<BTreeMap<String, u32>> {
+        // Counted here rather than with GROUP BY: there are few such runs, and SQLite would
         // build a sorter for every call (one per claim).
         let mut stmt = self.conn.prepare_cached(
-            "SELECT coalesce(assignee, '') FROM task_runs WHERE ended_at IS NULL",
+            "SELECT coalesce(assignee, '') FROM task_runs INDEXED BY runs_holding \
+             WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1",
         )?;
         let mut out = BTreeMap::new();
         let mut rows = stmt.query([])?;

@@ -51,6 +51,32 @@ impl Tx<'_> {
         now: Millis,
         lease_ms: i64,
     ) -> Result<Claim> {
+        self.claim(task_id, claimer, now, lease_ms, false)
+    }
+
+    /// [`Tx::claim_task`] for a claimer that is about to start the run's worker: the run is
+    /// marked `spawn_pending` until [`Tx::set_worker`] records the worker or
+    /// [`Tx::settle_spawn`] says none will run. Closed in between (reclaimed, archived), it
+    /// still holds its task and its slot, so no second worker can start beside the one on its
+    /// way.
+    pub fn claim_task_to_spawn(
+        &self,
+        task_id: TaskId,
+        claimer: &str,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<Claim> {
+        self.claim(task_id, claimer, now, lease_ms, true)
+    }
+
+    fn claim(
+        &self,
+        task_id: TaskId,
+        claimer: &str,
+        now: Millis,
+        lease_ms: i64,
+        spawn_pending: bool,
+    ) -> Result<Claim> {
         let (status, assignee) = self.task_status_and_assignee(task_id)?;
         if status != TaskStatus::Ready {
             return Err(BoardError::Conflict(format!(
@@ -66,11 +92,15 @@ impl Tx<'_> {
                 "task {task_id} has an unfinished parent; it must be demoted to todo"
             )));
         }
-        // One read for both: earlier runs, and those of them still holding worker evidence.
+        // One read for both: earlier runs, and those of them whose worker may be alive (its
+        // evidence is held, or its start is under way).
         let (runs, holders): (i64, i64) = self
             .conn
-            .prepare_cached("SELECT count(*), count(worker_pid) FROM task_runs WHERE task_id = ?1")?
-            .query_row([task_id], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            .prepare_cached(
+                "SELECT count(*), total(worker_pid IS NOT NULL OR spawn_pending = 1) \
+                 FROM task_runs WHERE task_id = ?1",
+            )?
+            .query_row([task_id], |r| Ok((r.get(0)?, r.get::<_, f64>(1)? as i64)))?;
         if holders > 0 {
             // See reads::NO_LIVE_PREVIOUS_WORKER: never two workers for one task.
             return Err(BoardError::Conflict(format!(
@@ -81,10 +111,19 @@ impl Tx<'_> {
         let token = new_token();
         self.conn
             .prepare_cached(
-                "INSERT INTO task_runs (task_id, attempt, assignee, token, claimer, started_at, lease_expires_at) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                "INSERT INTO task_runs (task_id, attempt, assignee, token, claimer, started_at, \
+                 lease_expires_at, spawn_pending) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             )?
-            .execute(params![task_id, attempt, assignee, token, claimer, now, now + lease_ms])?;
+            .execute(params![
+                task_id,
+                attempt,
+                assignee,
+                token,
+                claimer,
+                now,
+                now + lease_ms,
+                spawn_pending
+            ])?;
         let run_id = self.conn.last_insert_rowid();
         let changed = self
             .conn
@@ -168,7 +207,7 @@ impl Tx<'_> {
             .conn
             .prepare_cached(
                 "UPDATE task_runs SET spawned_pid = ?2, worker_pid = ?2, worker_boot_id = ?3, \
-                 worker_start_ticks = ?4 WHERE id = ?1 AND spawned_pid IS NULL",
+                 worker_start_ticks = ?4, spawn_pending = 0 WHERE id = ?1 AND spawned_pid IS NULL",
             )?
             .execute(params![
                 run_id,
@@ -209,6 +248,19 @@ impl Tx<'_> {
             .transpose()
             .map_err(BoardError::Invalid)?;
         Ok(Some(outcome.zip(ended_at)))
+    }
+
+    /// Says that the worker of a run claimed with [`Tx::claim_task_to_spawn`] will never run
+    /// (its spawn failed, or it was never attempted and nothing carries the run's token): the
+    /// run stops holding its task and its slot. True if it was pending.
+    pub fn settle_spawn(&self, run_id: RunId) -> Result<bool> {
+        Ok(self
+            .conn
+            .prepare_cached(
+                "UPDATE task_runs SET spawn_pending = 0 WHERE id = ?1 AND spawn_pending = 1",
+            )?
+            .execute([run_id])?
+            == 1)
     }
 
     /// Checks that `token` is `run_id`'s token and that the run is still its task's current

@@ -130,9 +130,18 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX events_task ON task_events(task_id, id);
     "#,
     // v4: the retention sweep finds finished tasks by age, oldest first, without reading
-    // every finished task on each tick.
+    // every finished task on each tick. And `spawn_pending`: set by a claim made to start a
+    // worker, cleared once that start is settled (the worker recorded, or known never to run).
+    // A run closed in between (reclaimed, archived) still has a worker on its way: it keeps
+    // its task from being claimed again and holds its slot, like recorded worker evidence.
     r#"
     CREATE INDEX tasks_finished ON tasks(updated_at, id) WHERE status IN ('done', 'archived');
+    ALTER TABLE task_runs ADD COLUMN spawn_pending INTEGER NOT NULL DEFAULT 0;
+    -- The runs that hold a worker slot (the caps count them): open, or closed while their
+    -- worker may be alive or is still being started.
+    CREATE INDEX runs_holding ON task_runs(assignee)
+        WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1;
+    CREATE INDEX runs_spawn_pending ON task_runs(id) WHERE spawn_pending = 1;
     "#,
 ];
 

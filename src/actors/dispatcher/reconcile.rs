@@ -1,6 +1,7 @@
 //! Reconciling open runs no WorkerActor of this incarnation owns: adoption of a previous
 //! incarnation's live workers, closing the runs of dead ones, settling claims whose worker was
-//! never recorded, holding (never signalling) runs whose liveness cannot be proven — plus the
+//! never recorded (open, or closed while their worker's start was under way), holding (never
+//! signalling) runs whose liveness cannot be proven — plus the
 //! lease refresh and stale detection of our own runs. Runs at start-up and on every tick;
 //! every /proc probe happens on the blocking pool.
 
@@ -83,7 +84,14 @@ impl DispatcherActor {
         async move {
             store
                 .read(move |tx| {
-                    let runs = tx.open_runs()?;
+                    // Open runs, and closed ones whose worker's start was never settled (closed
+                    // while it was under way, and the incarnation that started it died).
+                    let mut runs = tx.open_runs()?;
+                    runs.extend(
+                        tx.spawn_pending_runs()?
+                            .into_iter()
+                            .filter(|r| !r.is_open()),
+                    );
                     let now = now_millis();
                     let mut out = Vec::with_capacity(runs.len());
                     for run in runs {
@@ -128,6 +136,9 @@ impl DispatcherActor {
             // else of ours without an actor (its exit could not be recorded) is reconciled like
             // a foreign run.
             if self.workers.contains_key(&run.id) || matches!(probe, Probe::Ours) {
+                if !run.is_open() {
+                    continue; // Closed, its start still ours to settle.
+                }
                 if !stale_after.is_zero() {
                     let last = run.heartbeat_at.unwrap_or(run.started_at);
                     if now - last > stale_after.as_millis() as i64 {
@@ -148,6 +159,7 @@ impl DispatcherActor {
         if (due && !ours.is_empty()) || !stale.is_empty() {
             self.last_lease_refresh = Some(std::time::Instant::now());
             let (store, lease_ms) = (self.store.clone(), ttl.as_millis() as i64);
+            let stale_ms = stale_after.as_millis() as i64;
             let error = format!(
                 "no heartbeat for {}",
                 humantime::format_duration(stale_after)
@@ -159,6 +171,14 @@ impl DispatcherActor {
                             tx.extend_lease(run_id, now, lease_ms)?;
                         }
                         for (run_id, policy) in stale {
+                            // Judged on a snapshot read before this transaction: a heartbeat
+                            // committed since then wins (the worker is not stale after all).
+                            let still_stale = tx.get_run(run_id).is_ok_and(|run| {
+                                now - run.heartbeat_at.unwrap_or(run.started_at) > stale_ms
+                            });
+                            if !still_stale {
+                                continue;
+                            }
                             // Closing the run is what ends the worker (run_closed → reaper, no grace).
                             let _ = tx.nested(|tx| {
                                 outcome::fail(
@@ -217,14 +237,17 @@ impl DispatcherActor {
                                 })
                                 .await
                         }
-                        // Nothing (left) runs under this run: end any straggler, then release.
+                        // Nothing (left) runs under this run: end any straggler, then release
+                        // the run (if still open) and its task.
                         None => {
                             let token = run.token.clone();
                             let _ = actix_rt::task::spawn_blocking(move || process::descendants::end_token_carriers(&token, kill)).await;
                             store
                                 .with_tx(move |tx, now| {
-                                    tx.reclaim_task(run.task_id, "claimed by a supervisor that died before starting the worker", now)
-                                        .map(|_| ())
+                                    if run.is_open() {
+                                        tx.reclaim_task(run.task_id, "claimed by a supervisor that died before starting the worker", now)?;
+                                    }
+                                    tx.settle_spawn(run_id).map(|_| ())
                                 })
                                 .await
                         }
