@@ -581,4 +581,24 @@ mod tests {
         // No PATH at all: execvp's default.
         assert_eq!(find("sh", None), Some(PathBuf::from("/bin/sh")));
     }
+
+    /// A crash's log tail is read on the actor thread: a FIFO in the log's place (no writer)
+    /// must give "" at once, not block it.
+    #[test]
+    fn log_tail_of_a_fifo_returns_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("1.log");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let path = fifo.clone();
+        std::thread::spawn(move || tx.send(log_tail(&path, 400)));
+        let tail = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("log_tail blocked on a FIFO");
+        assert_eq!(tail, "");
+        // A regular file still gives its tail.
+        let log = dir.path().join("2.log");
+        fs::write(&log, "first\nlast words\n").unwrap();
+        assert_eq!(log_tail(&log, 11), "last words");
+    }
 }

@@ -289,4 +289,44 @@ mod tests {
         );
         assert_eq!(next_event_id(&conn), 4);
     }
+
+    /// A v3 board's runs come through v4 unchanged and hold no pending start (their workers,
+    /// if any, are recorded or were settled by v3's rules), with the new indexes in place.
+    #[test]
+    fn v4_keeps_runs_and_marks_none_pending() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = Connection::open(dir.path().join("board.db")).unwrap();
+        for sql in &MIGRATIONS[..3] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.pragma_update(None, "user_version", 3).unwrap();
+        conn.execute_batch(
+            "INSERT INTO tasks (id, title, status, created_at, updated_at) \
+                 VALUES (1, 't', 'running', 0, 0);
+             INSERT INTO task_runs (id, task_id, attempt, token, claimer, started_at, \
+                 lease_expires_at, worker_pid) VALUES (7, 1, 1, 'tok', 'c', 0, 0, 42);",
+        )
+        .unwrap();
+
+        migrate(&mut conn).unwrap();
+
+        let (pid, pending): (i64, i64) = conn
+            .query_row(
+                "SELECT worker_pid, spawn_pending FROM task_runs WHERE id = 7",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!((pid, pending), (42, 0));
+        for index in ["tasks_finished", "runs_holding", "runs_spawn_pending"] {
+            let n: i64 = conn
+                .query_row(
+                    "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = ?1",
+                    [index],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert_eq!(n, 1, "{index}");
+        }
+    }
 }
