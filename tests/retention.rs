@@ -99,26 +99,36 @@ fn the_sweep_deletes_only_old_finished_tasks_without_live_evidence() {
     tb.board
         .write(|tx| tx.comment(old, "op", "a note", T - 1))
         .unwrap();
+    // (The newest comment is not on a task the sweep deletes; see the test below for why.)
+    tb.board
+        .write(|tx| tx.comment(ready, "op", "later note", T))
+        .unwrap();
     let newest_before = all_events(&mut tb).last().unwrap().id;
 
-    // One at a time, oldest first.
+    // One at a time (by count, then by rows: each has a few events), oldest first.
     let cutoff = T + 1;
     let first = tb
         .board
-        .write(|tx| tx.prune_finished(cutoff, 1, T + 100_000))
+        .write(|tx| tx.prune_finished(cutoff, 1, u64::MAX, T + 100_000))
         .unwrap();
     assert_eq!(first.len(), 1, "{first:?}");
-    let rest = tb
+    let second = tb
         .board
-        .write(|tx| tx.prune_finished(cutoff, 100, T + 100_001))
+        .write(|tx| tx.prune_finished(cutoff, 100, 1, T + 100_001))
         .unwrap();
+    assert_eq!(
+        second.len(),
+        1,
+        "a row budget below one task's still takes one"
+    );
+    let rest: Vec<_> = second;
     let mut pruned: Vec<_> = first.iter().chain(&rest).copied().collect();
     pruned.sort();
     assert_eq!(pruned, vec![old, archived]);
     // A further sweep finds nothing and writes nothing.
     let again = tb
         .board
-        .write(|tx| tx.prune_finished(cutoff, 100, T + 100_002))
+        .write(|tx| tx.prune_finished(cutoff, 100, u64::MAX, T + 100_002))
         .unwrap();
     assert!(again.is_empty(), "{again:?}");
 
@@ -280,6 +290,46 @@ fn a_running_supervisor_deletes_finished_tasks_and_their_files_after_the_keep_ti
     assert_eq!(named, vec![done, again, hung]);
     assert!(!gone(&sup, blocked), "an unfinished task is never deleted");
     sup.shutdown();
+}
+
+/// Ids are `max(id) + 1`: deleting the newest task, or the task of the newest run or comment,
+/// would hand its id to the next one. Those wait until something newer exists.
+#[test]
+fn the_newest_ids_are_never_deleted_so_never_reused() {
+    let mut tb = temp_board();
+    let only = done_at(&mut tb, "the newest task", T);
+    let swept = |tb: &mut TempBoard, at| {
+        tb.board
+            .write(|tx| tx.prune_finished(T + 1_000, 100, u64::MAX, at))
+            .unwrap()
+    };
+    assert!(swept(&mut tb, T + 2_000).is_empty(), "the newest task went");
+
+    // A newer task without runs: `only` still owns the newest run.
+    let newer = create(&mut tb, "newer", T + 10);
+    assert!(
+        swept(&mut tb, T + 2_001).is_empty(),
+        "the newest run's task went"
+    );
+    // A run of the newer task, but `only` holds the newest comment.
+    tb.board
+        .write(|tx| tx.comment(only, "op", "note", T + 11))
+        .unwrap();
+    tb.board
+        .write(|tx| tx.claim_task(newer, "test", T + 12, LEASE_MS))
+        .unwrap();
+    assert!(
+        swept(&mut tb, T + 2_002).is_empty(),
+        "the newest comment's task went"
+    );
+    tb.board
+        .write(|tx| tx.comment(newer, "op", "note", T + 13))
+        .unwrap();
+    assert_eq!(swept(&mut tb, T + 2_003), vec![only]);
+
+    // Whatever comes next gets ids above everything ever handed out.
+    let next = create(&mut tb, "next", T + 20);
+    assert!(next > newer && newer > only, "{only} {newer} {next}");
 }
 
 #[test]

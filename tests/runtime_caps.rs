@@ -251,3 +251,42 @@ fn a_worker_that_reported_and_lingers_keeps_its_slot_until_it_is_gone() {
     );
     sup.shutdown();
 }
+
+/// After a restart, a run that closed while no supervisor was listening holds its slot only
+/// while its worker may be alive: a worker proven dead frees it at once, without waiting for
+/// the grace (an hour here) that would be its due time if it were alive.
+#[test]
+fn a_dead_worker_of_a_previous_incarnation_frees_its_slot_before_its_grace() {
+    use common::board::{completed_with_worker, sleeper};
+    use common::lifecycle::{View, add, sh_assignee, task_for};
+    use runwarden::board::{Board, now_millis};
+    use std::time::Duration;
+
+    let td = TestDir::new();
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    // The previous incarnation: a worker reported (run closed, evidence kept) and then died
+    // while no supervisor was up.
+    let (mut worker, fp) = sleeper(300);
+    let pid = worker.pid();
+    let mut board = Board::open(&td.db_path()).expect("open the board");
+    let (done, _) = completed_with_worker(&mut board, "reported", pid, Some(&fp), now_millis());
+    drop(board);
+    worker.kill().expect("kill the old worker");
+    worker.wait().expect("reap the old worker");
+
+    let mut config = lib_config(&td);
+    config.reaper.grace = Duration::from_secs(3600);
+    let mut a = sh_assignee("exit 0");
+    a.max_in_progress = 1;
+    config.assignees.insert("coder".into(), a);
+    let mut sup = Supervisor::start(config).expect("start the supervisor");
+    let next = add(&sup, task_for("next", "coder"));
+    sup.wait_status(next, TaskStatus::Done, SETTLE);
+    let gone = sup.wait_event(done, "terminal_worker_gone", SETTLE);
+    let claimed = sup.wait_event(next, "claimed", SETTLE);
+    assert!(
+        gone.id < claimed.id,
+        "the next task ran while the dead worker still held the only slot"
+    );
+    sup.shutdown();
+}

@@ -37,7 +37,7 @@ const OPEN_RUNS: &str = "SELECT id, task_id, attempt, assignee, token, claimer, 
      FROM task_runs WHERE ended_at IS NULL ORDER BY id";
 /// `Tx::slot_holders_by_assignee` (src/board/reads.rs): what the caps count on every pass.
 const SLOT_HOLDERS: &str = "SELECT coalesce(assignee, '') FROM task_runs INDEXED BY runs_holding \
-     WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1";
+     WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1";
 
 /// Fragments of the board's source that the copies above must still match.
 const SOURCE_FRAGMENTS: &[(&str, &str)] = &[
@@ -64,7 +64,7 @@ const SOURCE_FRAGMENTS: &[(&str, &str)] = &[
     ),
     (
         READS_SRC,
-        "WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1\"",
+        "WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1\"",
     ),
 ];
 
@@ -209,9 +209,10 @@ fn sweep_queries_use_the_partial_indexes_not_the_history() {
         open.iter().map(|r| r.id).collect::<Vec<_>>(),
         vec![open_run]
     );
-    // The caps count live workers: the open run, and the four closed runs whose worker may
-    // still be alive (the legacy one too: it can never be proven gone). None of the history.
-    assert_eq!(by_assignee.get("coder"), Some(&5));
+    // The caps count live workers: the open run, and the three closed runs whose worker may
+    // still be alive — not the legacy one (no fingerprint: it could never be proven gone and
+    // would hold the slot for good), none of the history.
+    assert_eq!(by_assignee.get("coder"), Some(&4));
     // None of them is a candidate before its grace has passed.
     assert!(
         tb.board

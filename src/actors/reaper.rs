@@ -14,7 +14,7 @@ use actix::prelude::*;
 use super::store::Store;
 use super::worker::{Terminate, TerminateReason, WorkerActor};
 use crate::board::{self, Millis, ReapCandidate, ReapVerdict, RunId, TaskId, now_millis};
-use crate::process::{Fingerprint, PidfdSignaller};
+use crate::process::{self, Fingerprint, PidfdSignaller};
 
 /// Most runs a single sweep hands to the blocking pool at once.
 const SWEEP_BATCH: usize = 64;
@@ -147,13 +147,16 @@ impl ReaperActor {
                 // The event feed carries no tokens; reap_external reads it from the run.
                 token: None,
             },
+            false,
             ctx,
         );
     }
 
     /// Ends a worker we do not own (previous incarnation) under the fingerprint rules, off the
-    /// actor thread, then records the verdict.
-    fn reap_external(&mut self, c: ReapCandidate, ctx: &mut Context<Self>) {
+    /// actor thread, then records the verdict. `early`: its grace has not passed yet, so only
+    /// a leader proven dead is acted on (its leftovers ended, its evidence cleared, its slot
+    /// freed); a live one is left for its due time.
+    fn reap_external(&mut self, c: ReapCandidate, early: bool, ctx: &mut Context<Self>) {
         if !self.in_flight.insert(c.run_id) {
             return;
         }
@@ -172,7 +175,12 @@ impl ReaperActor {
                 c.token = Some(run.token);
             }
             let cand = c.clone();
-            let verdict = actix_rt::task::spawn_blocking(move || board::reap_one(&cand, &PidfdSignaller, kill))
+            let verdict = actix_rt::task::spawn_blocking(move || {
+                if early && !matches!(process::liveness(cand.pid, &cand.fingerprint), process::Liveness::Dead(_)) {
+                    return Ok(ReapVerdict::Unknown("within its grace and not proven dead".into()));
+                }
+                board::reap_one(&cand, &PidfdSignaller, kill)
+            })
                 .await
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
@@ -203,32 +211,46 @@ impl ReaperActor {
         let grace_ms = self.grace.as_millis() as i64;
         let store = self.store.clone();
         async move {
-            // A read: the read-only connection, not a write transaction on every tick.
+            // Reads: the read-only connection, not a write transaction on every tick. The
+            // second one adds the runs still within their grace.
             store
-                .read(move |tx| tx.terminal_reap_candidates(board::now_millis(), grace_ms))
+                .read(move |tx| {
+                    let now = board::now_millis();
+                    let due = tx.terminal_reap_candidates(now, grace_ms)?;
+                    let all =
+                        tx.terminal_reap_candidates(now.saturating_add(grace_ms), grace_ms)?;
+                    Ok((due, all))
+                })
                 .await
         }
         .into_actor(self)
         .map(|res, act, ctx| match res {
-            Ok(candidates) => {
+            Ok((due, all)) => {
                 // A run no longer a candidate has had its evidence cleared: nothing to wait for.
                 act.ending
-                    .retain(|run_id, _| candidates.iter().any(|c| c.run_id == *run_id));
-                let todo: Vec<_> = candidates
+                    .retain(|run_id, _| all.iter().any(|c| c.run_id == *run_id));
+                let due_ids: HashSet<RunId> = due.iter().map(|c| c.run_id).collect();
+                // Due ones first: probes of runs within their grace never crowd them out.
+                let (due, early): (Vec<_>, Vec<_>) = all
                     .into_iter()
                     .filter(|c| {
                         !act.pending.contains_key(&c.run_id)
                             && !act.in_flight.contains(&c.run_id)
                             && !act.left_to_its_worker(c.run_id)
                     })
-                    .take(SWEEP_BATCH)
-                    .collect();
+                    .partition(|c| due_ids.contains(&c.run_id));
+                let todo: Vec<_> = due.into_iter().chain(early).take(SWEEP_BATCH).collect();
                 for c in todo {
+                    let early = !due_ids.contains(&c.run_id);
                     match act.owned.get(&c.run_id).cloned() {
+                        // Our own worker's exit is recorded by its actor the moment it happens.
+                        Some(w) if early && w.connected() => {}
                         Some(w) if w.connected() => {
                             act.terminate_owned(c.run_id, &w, TerminateReason::TerminalReap)
                         }
-                        _ => act.reap_external(c, ctx),
+                        // A previous incarnation's worker within its grace: nothing records its
+                        // exit but this sweep, and until then it holds its slot.
+                        _ => act.reap_external(c, early, ctx),
                     }
                 }
             }

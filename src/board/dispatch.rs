@@ -85,6 +85,10 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
             Err(error) => {
                 board.write(|tx| {
                     tx.settle_spawn(claim.run_id)?;
+                    if !tx.get_run(claim.run_id)?.is_open() {
+                        // Closed meanwhile (another writer): nothing to fail, the rest goes on.
+                        return Ok(());
+                    }
                     tx.fail_run(
                         claim.run_id,
                         &super::Failure {
@@ -98,7 +102,8 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
                             give_up_now: false,
                         },
                         now,
-                    )
+                    )?;
+                    Ok(())
                 })?;
                 report.spawn_failed.push((task_id, claim.run_id));
             }

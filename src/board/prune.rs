@@ -9,28 +9,60 @@ use super::{Result, Tx};
 
 /// Done or archived, untouched since before the cutoff, and no run of it open, holding worker
 /// evidence or with its worker's start under way: a worker that may be alive keeps its task
-/// (and the reaper its row). Named
-/// index: without statistics the planner prefers `tasks_status` and sorts every finished task
-/// on each tick; `tasks_finished` reads them in age order and stops at the limit.
+/// (and the reaper its row).
+///
+/// Never the newest task, nor the task of the newest run or of the newest comment: their ids
+/// are `max(id) + 1` (no AUTOINCREMENT), so deleting the highest row would hand its id to the
+/// next one — a new task 7 after the `pruned` event named the old 7, its log and work
+/// directory removed under it. They go once something newer exists.
+///
+/// Named index: without statistics the planner prefers `tasks_status` and sorts every finished
+/// task on each tick; `tasks_finished` reads them in age order and stops at the limit.
 const CANDIDATES: &str = "SELECT id FROM tasks INDEXED BY tasks_finished \
      WHERE status IN ('done', 'archived') AND updated_at < ?1 \
      AND NOT EXISTS (SELECT 1 FROM task_runs r WHERE r.task_id = tasks.id \
                      AND (r.ended_at IS NULL OR r.worker_pid IS NOT NULL \
                           OR r.spawn_pending = 1)) \
+     AND id < (SELECT max(id) FROM tasks) \
+     AND id IS NOT (SELECT task_id FROM task_runs ORDER BY id DESC LIMIT 1) \
+     AND id IS NOT (SELECT task_id FROM task_comments ORDER BY id DESC LIMIT 1) \
      ORDER BY updated_at, id LIMIT ?2";
+
+/// Rows a task's deletion removes besides its own.
+const HISTORY_ROWS: &str = "SELECT (SELECT count(*) FROM task_events WHERE task_id = ?1) \
+     + (SELECT count(*) FROM task_runs WHERE task_id = ?1) \
+     + (SELECT count(*) FROM task_comments WHERE task_id = ?1)";
 
 impl Tx<'_> {
     /// Deletes up to `limit` finished tasks last changed before `before`, oldest first, with
-    /// their runs, events, comments and links; returns their ids (their log files and work
-    /// directories are the caller's to remove). Records one `pruned` event naming them, written
-    /// *before* the deletions: event ids are `max(id) + 1`, so the log's newest event must
-    /// never be deleted, or an id a follower has seen would be handed out again.
-    pub fn prune_finished(&self, before: Millis, limit: u32, now: Millis) -> Result<Vec<TaskId>> {
-        let ids: Vec<TaskId> = self
+    /// their runs, events, comments and links — no more tasks than keep those rows within
+    /// `max_rows` (but at least one), so one sweep is one short transaction; returns their ids
+    /// (their log files and work directories are the caller's to remove). Records one `pruned`
+    /// event naming them, written *before* the deletions: event ids are `max(id) + 1`, so the
+    /// log's newest event must never be deleted, or an id a follower has seen would be handed
+    /// out again.
+    pub fn prune_finished(
+        &self,
+        before: Millis,
+        limit: u32,
+        max_rows: u64,
+        now: Millis,
+    ) -> Result<Vec<TaskId>> {
+        let candidates: Vec<TaskId> = self
             .conn
             .prepare_cached(CANDIDATES)?
             .query_map(params![before, limit], |r| r.get(0))?
             .collect::<rusqlite::Result<_>>()?;
+        let mut history = self.conn.prepare_cached(HISTORY_ROWS)?;
+        let (mut ids, mut rows) = (Vec::new(), 0u64);
+        for id in candidates {
+            let n: u64 = history.query_row([id], |r| r.get(0))?;
+            if !ids.is_empty() && rows + n > max_rows {
+                break;
+            }
+            rows += n;
+            ids.push(id);
+        }
         if ids.is_empty() {
             return Ok(ids);
         }

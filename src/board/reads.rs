@@ -249,13 +249,16 @@ impl Tx<'_> {
     /// Runs holding a worker slot, per assignee: what the caps count, since `max_in_progress`
     /// bounds live workers. Open runs (a previous incarnation's too), and closed runs whose
     /// worker may still be alive (it reported and has not exited yet, it is being ended) or is
-    /// still being started.
+    /// still being started. Not a closed run whose worker was recorded without a fingerprint:
+    /// nothing can ever prove that one gone, and it must not take a slot for good. (A run's
+    /// evidence is cleared as a whole, so `worker_start_ticks` is set exactly while it holds a
+    /// fingerprinted worker.)
     pub fn slot_holders_by_assignee(&self) -> Result<BTreeMap<String, u32>> {
         // Counted here rather than with GROUP BY: there are few such runs, and SQLite would
         // build a sorter for every call (one per claim).
         let mut stmt = self.conn.prepare_cached(
             "SELECT coalesce(assignee, '') FROM task_runs INDEXED BY runs_holding \
-             WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1",
+             WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1",
         )?;
         let mut out = BTreeMap::new();
         let mut rows = stmt.query([])?;

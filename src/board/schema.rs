@@ -138,9 +138,10 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX tasks_finished ON tasks(updated_at, id) WHERE status IN ('done', 'archived');
     ALTER TABLE task_runs ADD COLUMN spawn_pending INTEGER NOT NULL DEFAULT 0;
     -- The runs that hold a worker slot (the caps count them): open, or closed while their
-    -- worker may be alive or is still being started.
+    -- worker may be alive (and has a fingerprint, so it will be proven gone some day) or is
+    -- still being started.
     CREATE INDEX runs_holding ON task_runs(assignee)
-        WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1;
+        WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1;
     CREATE INDEX runs_spawn_pending ON task_runs(id) WHERE spawn_pending = 1;
     "#,
 ];

@@ -239,7 +239,8 @@ impl Default for RetriesConfig {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RetentionConfig {
-    /// A task `done` or `archived` this long ago (its last change) is deleted from the board
+    /// A task `done` or `archived` this long ago (its last change: finishing, archiving) is
+    /// deleted from the board
     /// with its runs, events, comments and links, its log files and its default work directory,
     /// once no worker of it may be alive. Default 0s: kept for ever.
     #[serde(with = "duration")]

@@ -308,11 +308,12 @@ impl DispatcherActor {
             let _ = store
                 .with_tx(move |tx, now| {
                     for (claim, _) in claimed {
-                        // Never started: the run neither holds its task nor a slot.
                         let _ = tx.nested(|tx| {
-                            tx.reclaim_task(claim.task_id, "supervisor shutdown", now)?;
-                            tx.settle_spawn(claim.run_id)
+                            tx.reclaim_task(claim.task_id, "supervisor shutdown", now)
                         });
+                        // Never started, whatever became of the run meanwhile (archived,
+                        // completed by force): it holds neither its task nor a slot.
+                        tx.settle_spawn(claim.run_id)?;
                     }
                     Ok(())
                 })

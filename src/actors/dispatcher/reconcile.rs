@@ -258,9 +258,11 @@ impl DispatcherActor {
                 }
                 .into_actor(self)
                 // Settled (or not): the next reconcile looks at the run afresh — and adopts a
-                // worker just recorded.
-                .map(move |_, act, _| {
+                // worker just recorded. A settled start writes no event of its own, so the task
+                // and slot it freed get a pass now.
+                .map(move |_, act, ctx| {
                     act.closing.remove(&run_id);
+                    act.pass(ctx);
                 })
                 .spawn(ctx);
                 return;

@@ -12,9 +12,11 @@ use crate::actors::spawn;
 use crate::actors::store::Store;
 use crate::board::TaskId;
 
-/// Most tasks one sweep deletes: one store transaction stays short (a few milliseconds) even
-/// when a long backlog is first let go; the next tick takes the next batch.
+/// Most tasks, and most rows of their history, one sweep deletes: one store transaction stays
+/// short (milliseconds, every other write waits behind it) even when a long backlog is first
+/// let go; the next tick takes the next batch.
 const BATCH: u32 = 200;
+const BATCH_ROWS: u64 = 20_000;
 
 /// One sweep at a time (a slow disk must not let sweeps pile up behind each other).
 #[derive(Debug, Default)]
@@ -34,7 +36,9 @@ impl Retention {
         let keep_ms = i64::try_from(keep.as_millis()).unwrap_or(i64::MAX);
         actix_rt::spawn(async move {
             let pruned = store
-                .with_tx(move |tx, now| tx.prune_finished(now.saturating_sub(keep_ms), BATCH, now))
+                .with_tx(move |tx, now| {
+                    tx.prune_finished(now.saturating_sub(keep_ms), BATCH, BATCH_ROWS, now)
+                })
                 .await;
             match pruned {
                 Ok(ids) if ids.is_empty() => {}
