@@ -102,8 +102,9 @@ impl Tx<'_> {
         static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let sql = SQL.get_or_init(|| {
             format!(
-                "SELECT {RUN_COLS} FROM task_runs INDEXED BY runs_spawn_pending \
-                 WHERE spawn_pending = 1 ORDER BY id"
+                "SELECT {RUN_COLS} FROM task_runs INDEXED BY runs_holding \
+                 WHERE (ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1) \
+                 AND spawn_pending = 1 ORDER BY id"
             )
         });
         let mut stmt = self.conn.prepare_cached(sql)?;
