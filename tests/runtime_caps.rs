@@ -269,7 +269,8 @@ fn a_dead_worker_of_a_previous_incarnation_frees_its_slot_before_its_grace() {
     let (mut worker, fp) = sleeper(300);
     let pid = worker.pid();
     let mut board = Board::open(&td.db_path()).expect("open the board");
-    let (done, _) = completed_with_worker(&mut board, "reported", pid, Some(&fp), now_millis());
+    let (done, _) =
+        completed_with_worker(&mut board, "reported", pid, Some(&fp), now_millis() - 1_000);
     drop(board);
     worker.kill().expect("kill the old worker");
     worker.wait().expect("reap the old worker");

@@ -68,6 +68,10 @@ pub struct ReaperActor {
     /// would be recorded twice. Only once the kill should long be over (`give_up_after`) may
     /// the sweep try again by fingerprint. Cleared when the worker is gone.
     ending: HashMap<RunId, Instant>,
+    /// When this incarnation started. Only runs closed before it can be a previous
+    /// incarnation's unwatched worker; a later close is this incarnation's own (its worker
+    /// watched by a WorkerActor, its RunClosed maybe still on its way).
+    started_at: Millis,
 }
 
 impl ReaperActor {
@@ -82,6 +86,7 @@ impl ReaperActor {
             owned: HashMap::new(),
             in_flight: HashSet::new(),
             ending: HashMap::new(),
+            started_at: now_millis(),
         }
     }
 
@@ -239,6 +244,10 @@ impl ReaperActor {
                             && !act.left_to_its_worker(c.run_id)
                     })
                     .partition(|c| due_ids.contains(&c.run_id));
+                // Early only for runs closed before this incarnation started: nothing else
+                // watches their workers.
+                let started_at = act.started_at;
+                let early = early.into_iter().filter(|c| c.ended_at < started_at);
                 let todo: Vec<_> = due.into_iter().chain(early).take(SWEEP_BATCH).collect();
                 for c in todo {
                     let early = !due_ids.contains(&c.run_id);

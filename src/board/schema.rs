@@ -144,6 +144,17 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX runs_holding ON task_runs(assignee)
         WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1;
     "#,
+    // v5: a board migrated by the first build of v4 has `runs_holding` on `worker_pid` (which
+    // counted workers without a fingerprint, that nothing can prove gone, for good) and a
+    // `runs_spawn_pending` index since folded into it; the queries name `runs_holding` as
+    // defined above, and SQLite refuses a plan with the old one. Rebuilt to that definition
+    // (on any other board this rebuilds the index v4 just made, once).
+    r#"
+    DROP INDEX IF EXISTS runs_spawn_pending;
+    DROP INDEX runs_holding;
+    CREATE INDEX runs_holding ON task_runs(assignee)
+        WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1;
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -329,5 +340,43 @@ mod tests {
                 .unwrap();
             assert_eq!(n, 1, "{index}");
         }
+    }
+
+    /// A board migrated by the first v4 build (its `runs_holding` on `worker_pid`, a
+    /// `runs_spawn_pending` index) gets the index the caps' query names; without it SQLite
+    /// refuses that query and nothing is ever dispatched.
+    #[test]
+    fn v5_rebuilds_the_first_v4_builds_holding_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut conn = Connection::open(dir.path().join("board.db")).unwrap();
+        for sql in &MIGRATIONS[..3] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.execute_batch(
+            "CREATE INDEX tasks_finished ON tasks(updated_at, id) \
+                 WHERE status IN ('done', 'archived');
+             ALTER TABLE task_runs ADD COLUMN spawn_pending INTEGER NOT NULL DEFAULT 0;
+             CREATE INDEX runs_holding ON task_runs(assignee) \
+                 WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1;
+             CREATE INDEX runs_spawn_pending ON task_runs(id) WHERE spawn_pending = 1;
+             PRAGMA user_version = 4;",
+        )
+        .unwrap();
+        let caps_query = "SELECT coalesce(assignee, '') FROM task_runs INDEXED BY runs_holding \
+             WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1";
+        assert!(conn.prepare(caps_query).is_err(), "the old index serves it");
+
+        migrate(&mut conn).unwrap();
+
+        conn.prepare(caps_query)
+            .expect("the caps' query has its index");
+        let old: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'runs_spawn_pending'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(old, 0);
     }
 }
