@@ -222,41 +222,58 @@ impl DispatcherActor {
             Probe::NotVerified(l) => Err(l),
             Probe::Unstarted { leader } => {
                 self.closing.insert(run_id);
-                let store = self.store.clone();
                 let kill = self.config.reaper.kill_timeout;
+                let token = run.token.clone();
+                let stragglers = leader.is_none();
                 async move {
-                    let r = match leader {
-                        // Its worker was started but never recorded (the incarnation died
-                        // between fork and commit): record it now; the next tick adopts it.
-                        Some((pid, fp)) => {
-                            store
-                                .with_tx(move |tx, now| {
-                                    tx.set_worker(run_id, pid, Some(&fp), now)?;
-                                    tx.append_event(Some(run.task_id), Some(run_id), "worker_found", serde_json::json!({ "pid": pid, "by": "run token" }), now)?;
-                                    Ok(())
-                                })
-                                .await
-                        }
-                        // Nothing (left) runs under this run: end any straggler, then release
-                        // the run (if still open) and its task.
-                        None => {
-                            let token = run.token.clone();
-                            let _ = actix_rt::task::spawn_blocking(move || process::descendants::end_token_carriers(&token, kill)).await;
-                            store
-                                .with_tx(move |tx, now| {
-                                    if run.is_open() {
-                                        tx.reclaim_task(run.task_id, "claimed by a supervisor that died before starting the worker", now)?;
-                                    }
-                                    tx.settle_spawn(run_id).map(|_| ())
-                                })
-                                .await
-                        }
-                    };
-                    if let Err(e) = r {
-                        tracing::warn!(run_id, error = %e, "reconcile: cannot settle an unstarted run");
+                    // Nothing (left) runs under this run as a worker: end any straggler.
+                    if stragglers {
+                        let _ = actix_rt::task::spawn_blocking(move || process::descendants::end_token_carriers(&token, kill)).await;
                     }
                 }
                 .into_actor(self)
+                .then(move |_, act, _| {
+                    // Checked again on the actor thread just before the write: a claim of ours
+                    // whose reply came late (a commit stalled past JUST_CLAIMED_MS) may have got
+                    // its WorkerActor meanwhile, and then its start is that actor's to settle —
+                    // settling it here could let a second worker start beside it.
+                    let theirs = act.workers.contains_key(&run_id);
+                    let store = act.store.clone();
+                    async move {
+                        if theirs {
+                            return;
+                        }
+                        let r = match leader {
+                            // Its worker was started but never recorded (the incarnation died
+                            // between fork and commit): record it now; the next tick adopts it
+                            // (or, its run closed, the reaper ends it).
+                            Some((pid, fp)) => {
+                                store
+                                    .with_tx(move |tx, now| {
+                                        tx.set_worker(run_id, pid, Some(&fp), now)?;
+                                        tx.append_event(Some(run.task_id), Some(run_id), "worker_found", serde_json::json!({ "pid": pid, "by": "run token" }), now)?;
+                                        Ok(())
+                                    })
+                                    .await
+                            }
+                            // Release the run (if still open) and its task.
+                            None => {
+                                store
+                                    .with_tx(move |tx, now| {
+                                        if run.is_open() {
+                                            tx.reclaim_task(run.task_id, "claimed by a supervisor that died before starting the worker", now)?;
+                                        }
+                                        tx.settle_spawn(run_id).map(|_| ())
+                                    })
+                                    .await
+                            }
+                        };
+                        if let Err(e) = r {
+                            tracing::warn!(run_id, error = %e, "reconcile: cannot settle an unstarted run");
+                        }
+                    }
+                    .into_actor(act)
+                })
                 // Settled (or not): the next reconcile looks at the run afresh — and adopts a
                 // worker just recorded. A settled start writes no event of its own, so the task
                 // and slot it freed get a pass now.
