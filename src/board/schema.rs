@@ -162,6 +162,8 @@ pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
 /// Brings the database up to [`SCHEMA_VERSION`]; refuses a database written by a newer build.
 pub(crate) fn migrate(conn: &mut Connection) -> Result<(), BoardError> {
+    // Whether the board was empty when first seen: then every step is its creation.
+    let mut fresh = None;
     loop {
         // The version is read inside the exclusive transaction: two processes opening a fresh
         // board at once must not both apply the same migration.
@@ -176,7 +178,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<(), BoardError> {
         let Some(sql) = MIGRATIONS.get(current as usize) else {
             return Ok(());
         };
-        if current > 0 {
+        if !*fresh.get_or_insert(current == 0) {
             // A fresh board is created silently; an upgrade (which may copy a table) is said.
             tracing::info!(
                 from = current,
