@@ -4,7 +4,7 @@
 //! `RUNWARDEN_EVENT_*` in its environment. A hook is itself supervised: a process-group leader,
 //! ended (group, SIGTERM then SIGKILL) when it exceeds its `timeout`. Its failure is logged,
 //! never fatal, and never blocks the supervisor: hooks run on the blocking pool, at most
-//! [`MAX_RUNNING`] at once (further events wait in this actor's queue).
+//! `MAX_RUNNING` at once (further events wait in this actor's queue).
 
 use std::collections::VecDeque;
 use std::io::Write;

@@ -25,7 +25,7 @@ pub struct DispatchOptions<'a> {
     pub dry_run: bool,
     /// Most runs to start in this pass.
     pub max_spawn: u32,
-    /// Global cap on open runs.
+    /// Global cap on live workers (slot-holding runs: see `Tx::slot_holders_by_assignee`).
     pub max_in_progress: u32,
     /// Per-assignee caps; tasks of an assignee not listed here are not claimed.
     pub assignee_caps: BTreeMap<String, u32>,
@@ -162,7 +162,7 @@ pub fn plan_claims(
 pub struct ClaimRules {
     /// Per-assignee caps; tasks of an assignee not listed here are not claimed.
     pub caps: BTreeMap<String, u32>,
-    /// Global cap on open runs.
+    /// Global cap on live workers (slot-holding runs: see `Tx::slot_holders_by_assignee`).
     pub max_in_progress: u32,
     /// Who claims (recorded on the run).
     pub claimer: String,

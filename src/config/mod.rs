@@ -52,7 +52,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The file was read but is not a valid config. `message` is one line and names the key,
-    /// e.g. "unknown key `foo` in [supervisor] (line 3, column 1)".
+    /// e.g. "unknown key `foo` in \[supervisor\] (line 3, column 1)".
     #[error("invalid config {path}: {message}")]
     Invalid {
         /// The file (or `<inline>` for a config given as a string).

@@ -1,5 +1,5 @@
 //! The control server: binds the socket, checks each peer, caps the connections, and hands
-//! each accepted connection to [`super::conn`].
+//! each accepted connection to `conn`.
 //!
 //! It runs inside the supervisor's actix system (one thread): connections are local tasks, and
 //! every request reaches the board through the [`Store`](crate::actors::store::Store), so the

@@ -9,7 +9,7 @@ use std::io;
 
 use super::{Pid, ProcessError};
 
-/// Parsed fields of /proc/<pid>/stat we need.
+/// Parsed fields of `/proc/<pid>/stat` we need.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcStat {
     /// Field 1: the process id.
