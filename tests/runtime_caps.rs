@@ -253,10 +253,11 @@ fn a_worker_that_reported_and_lingers_keeps_its_slot_until_it_is_gone() {
 }
 
 /// After a restart, a run that closed while no supervisor was listening holds its slot only
-/// while its worker may be alive: a worker proven dead frees it at once, without waiting for
-/// the grace (an hour here) that would be its due time if it were alive.
+/// while its worker may be alive. While it is alive and within its grace (an hour here), it
+/// is neither signalled nor does the next task start; once it dies, the slot is freed at once,
+/// without waiting for the grace that would be its due time.
 #[test]
-fn a_dead_worker_of_a_previous_incarnation_frees_its_slot_before_its_grace() {
+fn a_previous_incarnations_worker_holds_its_slot_until_it_dies_not_until_its_grace() {
     use common::board::{completed_with_worker, sleeper};
     use common::lifecycle::{View, add, sh_assignee, task_for};
     use runwarden::board::{Board, now_millis};
@@ -264,16 +265,14 @@ fn a_dead_worker_of_a_previous_incarnation_frees_its_slot_before_its_grace() {
 
     let td = TestDir::new();
     std::fs::create_dir_all(td.data_dir()).unwrap();
-    // The previous incarnation: a worker reported (run closed, evidence kept) and then died
-    // while no supervisor was up.
+    // The previous incarnation: a worker reported (run closed, evidence kept) and was still
+    // running when that supervisor went away.
     let (mut worker, fp) = sleeper(300);
     let pid = worker.pid();
     let mut board = Board::open(&td.db_path()).expect("open the board");
     let (done, _) =
         completed_with_worker(&mut board, "reported", pid, Some(&fp), now_millis() - 1_000);
     drop(board);
-    worker.kill().expect("kill the old worker");
-    worker.wait().expect("reap the old worker");
 
     let mut config = lib_config(&td);
     config.reaper.grace = Duration::from_secs(3600);
@@ -282,12 +281,31 @@ fn a_dead_worker_of_a_previous_incarnation_frees_its_slot_before_its_grace() {
     config.assignees.insert("coder".into(), a);
     let mut sup = Supervisor::start(config).expect("start the supervisor");
     let next = add(&sup, task_for("next", "coder"));
+    // Twenty sweeps: the live worker keeps the only slot and is left alone.
+    sup.assert_stays(
+        next,
+        TaskStatus::Ready,
+        &["claimed"],
+        Duration::from_secs(1),
+    );
+    assert!(
+        worker
+            .try_wait()
+            .expect("the old worker's status")
+            .is_none(),
+        "a live worker within its grace was ended"
+    );
+    assert!(sup.events_of(done, "terminal_worker_reaped").is_empty());
+
+    worker.kill().expect("kill the old worker");
+    // (The in-process supervisor is a subreaper that may collect this zombie first.)
+    let _ = worker.wait();
     sup.wait_status(next, TaskStatus::Done, SETTLE);
     let gone = sup.wait_event(done, "terminal_worker_gone", SETTLE);
     let claimed = sup.wait_event(next, "claimed", SETTLE);
     assert!(
         gone.id < claimed.id,
-        "the next task ran while the dead worker still held the only slot"
+        "the next task ran while the old worker still held the only slot"
     );
     sup.shutdown();
 }
