@@ -149,9 +149,10 @@ const MIGRATIONS: &[&str] = &[
     // `runs_spawn_pending` index since folded into it; the queries name `runs_holding` as
     // defined above, and SQLite refuses a plan with the old one. Rebuilt to that definition
     // (on any other board this rebuilds the index v4 just made, once).
+    // (`migrate` first adds the `spawn_pending` column to a board whose v4 predates it.)
     r#"
     DROP INDEX IF EXISTS runs_spawn_pending;
-    DROP INDEX runs_holding;
+    DROP INDEX IF EXISTS runs_holding;
     CREATE INDEX runs_holding ON task_runs(assignee)
         WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1;
     "#,
@@ -186,10 +187,27 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<(), BoardError> {
                 "board: migrating the schema"
             );
         }
+        if current == 4 && !has_column(&tx, "task_runs", "spawn_pending")? {
+            // The very first v4 build only added `tasks_finished`.
+            tx.execute_batch(
+                "ALTER TABLE task_runs ADD COLUMN spawn_pending INTEGER NOT NULL DEFAULT 0",
+            )?;
+        }
         tx.execute_batch(sql)?;
         tx.pragma_update(None, "user_version", current + 1)?;
         tx.commit()?;
     }
+}
+
+fn has_column(conn: &Connection, table: &str, column: &str) -> Result<bool, BoardError> {
+    let mut stmt = conn.prepare(&format!("PRAGMA table_info({table})"))?;
+    let names = stmt.query_map([], |r| r.get::<_, String>(1))?;
+    for name in names {
+        if name? == column {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(test)]
@@ -344,41 +362,47 @@ mod tests {
         }
     }
 
-    /// A board migrated by the first v4 build (its `runs_holding` on `worker_pid`, a
-    /// `runs_spawn_pending` index) gets the index the caps' query names; without it SQLite
-    /// refuses that query and nothing is ever dispatched.
+    /// Boards migrated by earlier v4 builds — one with only `tasks_finished`, one with
+    /// `runs_holding` on `worker_pid` and a `runs_spawn_pending` index — get the column and the
+    /// index the caps' query names; without them SQLite refuses that query (or the board does
+    /// not open) and nothing is ever dispatched.
     #[test]
-    fn v5_rebuilds_the_first_v4_builds_holding_index() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut conn = Connection::open(dir.path().join("board.db")).unwrap();
-        for sql in &MIGRATIONS[..3] {
-            conn.execute_batch(sql).unwrap();
-        }
-        conn.execute_batch(
-            "CREATE INDEX tasks_finished ON tasks(updated_at, id) \
-                 WHERE status IN ('done', 'archived');
+    fn v5_completes_every_earlier_v4() {
+        let first = "CREATE INDEX tasks_finished ON tasks(updated_at, id) \
+                         WHERE status IN ('done', 'archived');";
+        let second = "CREATE INDEX tasks_finished ON tasks(updated_at, id) \
+                          WHERE status IN ('done', 'archived');
              ALTER TABLE task_runs ADD COLUMN spawn_pending INTEGER NOT NULL DEFAULT 0;
              CREATE INDEX runs_holding ON task_runs(assignee) \
                  WHERE ended_at IS NULL OR worker_pid IS NOT NULL OR spawn_pending = 1;
-             CREATE INDEX runs_spawn_pending ON task_runs(id) WHERE spawn_pending = 1;
-             PRAGMA user_version = 4;",
-        )
-        .unwrap();
+             CREATE INDEX runs_spawn_pending ON task_runs(id) WHERE spawn_pending = 1;";
         let caps_query = "SELECT coalesce(assignee, '') FROM task_runs INDEXED BY runs_holding \
              WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1";
-        assert!(conn.prepare(caps_query).is_err(), "the old index serves it");
+        for v4 in [first, second] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut conn = Connection::open(dir.path().join("board.db")).unwrap();
+            for sql in &MIGRATIONS[..3] {
+                conn.execute_batch(sql).unwrap();
+            }
+            conn.execute_batch(v4).unwrap();
+            conn.pragma_update(None, "user_version", 4).unwrap();
+            assert!(
+                conn.prepare(caps_query).is_err(),
+                "served before the upgrade"
+            );
 
-        migrate(&mut conn).unwrap();
+            migrate(&mut conn).unwrap();
 
-        conn.prepare(caps_query)
-            .expect("the caps' query has its index");
-        let old: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE name = 'runs_spawn_pending'",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
-        assert_eq!(old, 0);
+            conn.prepare(caps_query)
+                .expect("the caps' query has its index");
+            let old: i64 = conn
+                .query_row(
+                    "SELECT count(*) FROM sqlite_master WHERE name = 'runs_spawn_pending'",
+                    [],
+                    |r| r.get(0),
+                )
+                .unwrap();
+            assert_eq!(old, 0);
+        }
     }
 }

@@ -296,6 +296,17 @@ impl DispatcherActor {
     fn start_claimed(&mut self, claimed: Vec<(Claim, Task)>, ctx: &mut Context<Self>) {
         if self.accepting {
             for (claim, task) in claimed {
+                if self.closing.contains(&claim.run_id) {
+                    // Its reply came so late (a commit stalled past JUST_CLAIMED_MS) that
+                    // reconcile took the run for an abandoned claim and is settling it: no
+                    // worker is started for it now, so none can be ended by its token or run
+                    // beside a second one.
+                    tracing::warn!(
+                        run_id = claim.run_id,
+                        "claim reply too late; left to reconcile"
+                    );
+                    continue;
+                }
                 self.start_worker(claim, task, ctx);
             }
             return;

@@ -260,7 +260,9 @@ impl DispatcherActor {
                             None => {
                                 store
                                     .with_tx(move |tx, now| {
-                                        if run.is_open() {
+                                        // `reclaim_task` closes the task's current run: only
+                                        // while that is still this one (the snapshot may be old).
+                                        if tx.get_task(run.task_id)?.current_run_id == Some(run_id) {
                                             tx.reclaim_task(run.task_id, "claimed by a supervisor that died before starting the worker", now)?;
                                         }
                                         tx.settle_spawn(run_id).map(|_| ())
