@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::board::{LEASE_MS, TempBoard, completed_with_worker, sleeper, temp_board};
-use common::lifecycle::{complete_loop, sh_assignee};
+use common::lifecycle::{View, add, complete_loop, sh_assignee, task_for};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, TestDir, lib_config};
 use runwarden::board::{BoardError, Event, Millis, NewTask, TaskId, TaskStatus};
@@ -175,12 +175,6 @@ fn the_sweep_deletes_only_old_finished_tasks_without_live_evidence() {
     drop(worker);
 }
 
-fn add(sup: &SupervisorHandle, who: &str) -> TaskId {
-    sup.add_task(NewTask::titled("retention").for_assignee(who))
-        .expect("add task")
-        .id
-}
-
 fn gone(sup: &SupervisorHandle, id: TaskId) -> bool {
     match sup.task(id) {
         Ok(_) => false,
@@ -224,9 +218,9 @@ fn a_running_supervisor_deletes_finished_tasks_and_their_files_after_the_keep_ti
     let mut fails = AssigneeConfig::new(["sh", "-c", "exit 2"]);
     fails.fail_exit_codes = vec![2];
     config.assignees.insert("fails".into(), fails);
-    let sup = Supervisor::start(config).expect("start the supervisor");
+    let mut sup = Supervisor::start(config).expect("start the supervisor");
 
-    let done = add(&sup, "writer");
+    let done = add(&sup, task_for("retention", "writer"));
     assert_eq!(
         sup.wait_for(done, SETTLE).expect("finishes").status,
         TaskStatus::Done
@@ -237,14 +231,14 @@ fn a_running_supervisor_deletes_finished_tasks_and_their_files_after_the_keep_ti
         "the task's files were never all there (rotated log: {})",
         backup.exists()
     );
-    let again = add(&sup, "writer");
+    let again = add(&sup, task_for("retention", "writer"));
     sup.wait_for(again, SETTLE).expect("finishes");
-    let hung = add(&sup, "hang");
+    let hung = add(&sup, task_for("retention", "hang"));
     assert_eq!(
         sup.wait_for(hung, SETTLE).expect("reports").status,
         TaskStatus::Done
     );
-    let blocked = add(&sup, "fails");
+    let blocked = add(&sup, task_for("retention", "fails"));
     assert_eq!(
         sup.wait_for(blocked, SETTLE).expect("gives up").status,
         TaskStatus::Blocked
@@ -280,12 +274,7 @@ fn a_running_supervisor_deletes_finished_tasks_and_their_files_after_the_keep_ti
         wait_until(SETTLE, || gone(&sup, hung)),
         "the hung task was never deleted after its worker was ended"
     );
-    let events = sup
-        .services()
-        .store
-        .read_blocking(|tx| tx.events_since(0, 10_000))
-        .expect("events");
-    let mut named = pruned_ids(&events);
+    let mut named = pruned_ids(&sup.all_events());
     named.sort();
     assert_eq!(named, vec![done, again, hung]);
     assert!(!gone(&sup, blocked), "an unfinished task is never deleted");
@@ -340,7 +329,7 @@ fn without_a_keep_time_nothing_is_deleted() {
         .assignees
         .insert("w".into(), AssigneeConfig::new(["true"]));
     let sup = Supervisor::start(config).expect("start the supervisor");
-    let id = add(&sup, "w");
+    let id = add(&sup, task_for("retention", "w"));
     sup.wait_for(id, SETTLE).expect("finishes");
     // Twenty ticks later the task is still there.
     let ticks = wait_until(Duration::from_secs(1), || gone(&sup, id));

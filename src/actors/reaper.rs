@@ -252,7 +252,9 @@ impl ReaperActor {
                 for c in todo {
                     let early = !due_ids.contains(&c.run_id);
                     match act.owned.get(&c.run_id).cloned() {
-                        // Our own worker's exit is recorded by its actor the moment it happens.
+                        // Never reached while `early` keeps to runs closed before we started,
+                        // which no actor of ours owns; kept so an owned live worker can never be
+                        // terminated before its grace. Its actor records its exit anyway.
                         Some(w) if early && w.connected() => {}
                         Some(w) if w.connected() => {
                             act.terminate_owned(c.run_id, &w, TerminateReason::TerminalReap)

@@ -107,12 +107,17 @@ impl Tx<'_> {
             )
         });
         let mut stmt = self.conn.prepare_cached(sql)?;
-        let mut rows = stmt.query_map(params![task_id, limit], rows::event)?;
-        let (mut events, cut) = rows::take_within(&mut rows, max_bytes, event_size)?;
-        // `take_within` read the first event that did not fit; the rest are counted.
-        let omitted = if cut { 1 + rows.count() as u64 } else { 0 };
-        events.reverse();
-        Ok((events, omitted))
+        Ok(rows::newest_within(
+            stmt.query_map(params![task_id, limit], rows::event)?,
+            max_bytes,
+            event_size,
+            // Of the last `limit` asked for: counted, not read (payloads are parsed per row).
+            || {
+                self.conn
+                    .prepare_cached("SELECT min(count(*), ?2) FROM task_events WHERE task_id = ?1")?
+                    .query_row(params![task_id, limit], |r| r.get(0))
+            },
+        )?)
     }
 
     /// The id of the newest event (0 on an empty log).

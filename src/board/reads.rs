@@ -22,13 +22,7 @@ const DEFAULT_LIST_LIMIT: u32 = 1000;
 const MAX_LIST_LIMIT: u32 = 10_000;
 /// What a run or comment costs a bounded reply beside its free text (ids, times, field names),
 /// so that many tiny rows are bounded too.
-pub(super) const ROW_OVERHEAD: usize = 128;
-
-/// Rows read newest first, in the order a reply shows them.
-fn oldest_first<T>(mut rows: Vec<T>) -> Vec<T> {
-    rows.reverse();
-    rows
-}
+const ROW_OVERHEAD: usize = 128;
 
 impl Tx<'_> {
     /// One task.
@@ -179,11 +173,8 @@ impl Tx<'_> {
         let children =
             ids("SELECT child_id FROM task_links WHERE parent_id = ?1 ORDER BY child_id")?;
         let share = max_bytes / 3;
-        let count = |sql: &str| -> Result<u64> {
-            Ok(self
-                .conn
-                .prepare_cached(sql)?
-                .query_row([id], |r| r.get(0))?)
+        let count = |sql: &str| -> rusqlite::Result<u64> {
+            self.conn.prepare_cached(sql)?.query_row([id], |r| r.get(0))
         };
 
         static RUNS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
@@ -191,40 +182,36 @@ impl Tx<'_> {
             format!("SELECT {RUN_COLS} FROM task_runs WHERE task_id = ?1 ORDER BY id DESC")
         });
         let mut stmt = self.conn.prepare_cached(sql)?;
-        let (runs, cut) = rows::take_within(stmt.query_map([id], rows::run)?, share, |r: &Run| {
-            ROW_OVERHEAD
-                + r.error.as_ref().map_or(0, String::len)
-                + r.summary.as_ref().map_or(0, String::len)
-        })?;
-        let omitted_runs = if cut {
-            count("SELECT count(*) FROM task_runs WHERE task_id = ?1")? - runs.len() as u64
-        } else {
-            0
-        };
+        let (runs, omitted_runs) = rows::newest_within(
+            stmt.query_map([id], rows::run)?,
+            share,
+            |r: &Run| {
+                ROW_OVERHEAD
+                    + r.error.as_ref().map_or(0, String::len)
+                    + r.summary.as_ref().map_or(0, String::len)
+            },
+            || count("SELECT count(*) FROM task_runs WHERE task_id = ?1"),
+        )?;
 
         let mut stmt = self.conn.prepare_cached(
             "SELECT id, task_id, author, body, at FROM task_comments WHERE task_id = ?1 \
              ORDER BY id DESC",
         )?;
-        let (comments, cut) = rows::take_within(
+        let (comments, omitted_comments) = rows::newest_within(
             stmt.query_map([id], rows::comment)?,
             share,
             |c: &Comment| ROW_OVERHEAD + c.author.len() + c.body.len(),
+            || count("SELECT count(*) FROM task_comments WHERE task_id = ?1"),
         )?;
-        let omitted_comments = if cut {
-            count("SELECT count(*) FROM task_comments WHERE task_id = ?1")? - comments.len() as u64
-        } else {
-            0
-        };
 
         let (events, omitted_events) = self.recent_task_events_within(id, event_limit, share)?;
         Ok(TaskDetail {
-            runs: oldest_first(runs),
+            runs,
             events,
             task,
             parents,
             children,
-            comments: oldest_first(comments),
+            comments,
             omitted_runs,
             omitted_comments,
             omitted_events,

@@ -116,3 +116,21 @@ pub(super) fn take_within<T>(
     }
     Ok((taken, false))
 }
+
+/// [`take_within`] over rows read newest first: the newest that fit, oldest first, and how many
+/// of `total()` rows (called only when something was left out) were left out.
+pub(super) fn newest_within<T>(
+    rows: impl Iterator<Item = rusqlite::Result<T>>,
+    max_bytes: usize,
+    size: impl Fn(&T) -> usize,
+    total: impl FnOnce() -> rusqlite::Result<u64>,
+) -> rusqlite::Result<(Vec<T>, u64)> {
+    let (mut taken, cut) = take_within(rows, max_bytes, size)?;
+    let omitted = if cut {
+        total()?.saturating_sub(taken.len() as u64)
+    } else {
+        0
+    };
+    taken.reverse();
+    Ok((taken, omitted))
+}

@@ -97,10 +97,10 @@ impl Tx<'_> {
         let (runs, holders): (i64, i64) = self
             .conn
             .prepare_cached(
-                "SELECT count(*), total(worker_pid IS NOT NULL OR spawn_pending = 1) \
+                "SELECT count(*), coalesce(sum(worker_pid IS NOT NULL OR spawn_pending = 1), 0) \
                  FROM task_runs WHERE task_id = ?1",
             )?
-            .query_row([task_id], |r| Ok((r.get(0)?, r.get::<_, f64>(1)? as i64)))?;
+            .query_row([task_id], |r| Ok((r.get(0)?, r.get(1)?)))?;
         if holders > 0 {
             // See reads::NO_LIVE_PREVIOUS_WORKER: never two workers for one task.
             return Err(BoardError::Conflict(format!(

@@ -529,12 +529,7 @@ impl DispatcherActor {
                 }
             });
         }
-        self.retention.sweep(
-            self.config.retention.finished,
-            &self.store,
-            self.config.logs_dir(),
-            self.config.work_dir(),
-        );
+        self.retention.sweep(&self.config, &self.store);
         // Zombies of descendants re-parented to us (we are a subreaper) are collected here;
         // our own workers' leaders are reaped by their actors, never here.
         let logs: Vec<_> = self

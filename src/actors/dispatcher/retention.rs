@@ -2,15 +2,15 @@
 //! are deleted from the board (through the store, a bounded batch at a time), then their log
 //! files and default work directories are removed off the actor thread.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use super::ClearOnDrop;
 use crate::actors::spawn;
 use crate::actors::store::Store;
 use crate::board::TaskId;
+use crate::config::Config;
 
 /// Most tasks, and most rows of their history, one sweep deletes: one store transaction stays
 /// short (milliseconds, every other write waits behind it) even when a long backlog is first
@@ -25,12 +25,14 @@ pub(super) struct Retention {
 }
 
 impl Retention {
-    /// Starts a sweep deleting what finished more than `keep` ago, unless `keep` is zero
-    /// (keep for ever) or the previous sweep is still running.
-    pub(super) fn sweep(&self, keep: Duration, store: &Store, logs: PathBuf, work: PathBuf) {
+    /// Starts a sweep deleting what finished more than `[retention] finished` ago, unless
+    /// that is zero (keep for ever) or the previous sweep is still running.
+    pub(super) fn sweep(&self, config: &Config, store: &Store) {
+        let keep = config.retention.finished;
         if keep.is_zero() || self.running.swap(true, Ordering::AcqRel) {
             return;
         }
+        let (logs, work) = (config.logs_dir(), config.work_dir());
         let running = ClearOnDrop(self.running.clone());
         let store = store.clone();
         let keep_ms = i64::try_from(keep.as_millis()).unwrap_or(i64::MAX);
