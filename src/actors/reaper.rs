@@ -26,8 +26,8 @@ pub struct RunClosed {
     pub run_id: RunId,
     pub task_id: TaskId,
     pub pid: i32,
-    /// `None` only for a worker of ours whose fingerprint could not be read at spawn: ended
-    /// through its WorkerActor's pidfd, never by pid.
+    /// `None` only for a legacy row (a worker recorded by a build that still started workers
+    /// it could not fingerprint): ended only through a WorkerActor's pidfd, never by pid.
     pub fingerprint: Option<Fingerprint>,
     pub ended_at: Millis,
     /// How long after `ended_at` the worker is ended (zero for forced closes).

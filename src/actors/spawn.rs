@@ -43,7 +43,7 @@ pub struct SpawnSpec {
 pub struct Spawned {
     pub pid: i32,
     pub pidfd: PidFd,
-    pub fingerprint: Option<Fingerprint>,
+    pub fingerprint: Fingerprint,
 }
 
 /// A few dedicated threads that start workers, shared by every WorkerActor of a supervisor.
@@ -284,29 +284,30 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     owned.register(pid);
     drop(owned);
     // The child is ours and not yet reaped, so its pid cannot be recycled before these reads:
-    // the pidfd and the fingerprint are certainly this process's.
-    let pidfd = match PidFd::open(pid) {
-        Ok(fd) => fd,
-        Err(e) => {
-            // Without a pidfd nobody could supervise it (and the run is about to be closed as
-            // spawn_failed and retried): end it and its group now, while it is still our
-            // unreaped child (its pid, and so its group id, cannot name anyone else), and reap it.
-            // SAFETY: kill(2) with our unreaped child's pid and group id (the child too, in
-            // case it has already left its group).
+    // the pidfd and the fingerprint are certainly this process's. Without either, nobody could
+    // supervise it for long: without a pidfd not even this incarnation, and without a
+    // fingerprint no later one could ever prove it alive or gone (its run would hold its task
+    // for good). So the start fails (the run is closed as spawn_failed and retried) and the
+    // child is ended now.
+    let identity = PidFd::open(pid)
+        .map_err(|e| format!("cannot open pidfd for {pid}: {e}"))
+        .and_then(|pidfd| match read_fingerprint(pid) {
+            Ok(fp) => Ok((pidfd, fp)),
+            Err(e) => Err(format!("cannot fingerprint {pid} (/proc/{pid}/stat): {e}")),
+        });
+    let (pidfd, fingerprint) = match identity {
+        Ok(found) => found,
+        Err(error) => {
+            // Our unreaped child: its pid, and so its group id, cannot name anyone else until
+            // it is reaped here. The child itself too, in case it has already left its group.
+            // SAFETY: kill(2) with our unreaped child's pid and group id.
             unsafe {
                 libc::kill(-pid, libc::SIGKILL);
                 libc::kill(pid, libc::SIGKILL);
             }
             let _ = child.wait();
             process::owned::unregister(pid);
-            return Err(format!("cannot open pidfd for {pid}: {e}"));
-        }
-    };
-    let fingerprint = match process::fingerprint(pid) {
-        Ok(fp) => Some(fp),
-        Err(e) => {
-            tracing::warn!(pid, error = %e, "spawn: no fingerprint; this worker can only be ended by this incarnation");
-            None
+            return Err(error);
         }
     };
     // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle now.
@@ -316,6 +317,18 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         pidfd,
         fingerprint,
     })
+}
+
+/// The spawn fingerprint of a child just started; a test can make it fail on its thread.
+fn read_fingerprint(pid: i32) -> Result<Fingerprint, process::ProcessError> {
+    #[cfg(test)]
+    if tests::FAIL_FINGERPRINT.with(|f| f.get()) {
+        return Err(process::ProcessError::System {
+            what: "read /proc/<pid>/stat",
+            source: std::io::Error::from_raw_os_error(libc::EMFILE),
+        });
+    }
+    process::fingerprint(pid)
 }
 
 /// Where `program` is in `path` (the worker's PATH; unset means `/bin:/usr/bin`, as for
@@ -480,9 +493,49 @@ fn rlimit_pairs(
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
     use std::time::Duration;
 
     use super::*;
+
+    thread_local! {
+        /// Makes `read_fingerprint` fail on this thread (spawn() runs on the caller's thread).
+        pub(super) static FAIL_FINGERPRINT: Cell<bool> = const { Cell::new(false) };
+    }
+
+    #[test]
+    fn a_child_that_cannot_be_fingerprinted_is_killed_and_the_start_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = spec(dir.path(), &["sleep", "60"]);
+        // A token of its own: the scan below must find only this test's child.
+        spec.token = format!("unfingerprinted-{}", std::process::id());
+        FAIL_FINGERPRINT.with(|f| f.set(true));
+        let t0 = std::time::Instant::now();
+        let res = spawn(&spec);
+        FAIL_FINGERPRINT.with(|f| f.set(false));
+        // It reaps the child before returning: long before the child's own 60 s, it was killed.
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "waited for the child to exit"
+        );
+        let error = match res {
+            Ok(child) => {
+                let _ = child.pidfd.signal_group(process::Signal::SIGKILL);
+                panic!("started a worker without a fingerprint (pid {})", child.pid);
+            }
+            Err(e) => e,
+        };
+        assert!(error.contains("cannot fingerprint"), "{error}");
+        // Killed and reaped before spawn() returned: no process carries its token any more,
+        // and its pid is no longer one an owner will wait for.
+        let pid: i32 = error
+            .split_whitespace()
+            .nth(2)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no pid in {error:?}"));
+        assert!(!process::owned::is_registered(pid));
+        assert_eq!(process::descendants::find_by_token(&spec.token), []);
+    }
 
     fn spec(dir: &Path, argv: &[&str]) -> SpawnSpec {
         SpawnSpec {
@@ -517,7 +570,7 @@ mod tests {
         let child = futures::executor::block_on(spawner.submit(spec(dir.path(), &["true"])))
             .expect("spawned");
         assert!(process::owned::is_registered(child.pid));
-        assert!(child.fingerprint.is_some());
+        assert_eq!(child.fingerprint, process::fingerprint(child.pid).unwrap());
         assert!(exits_and_is_reaped(&child.pidfd));
         process::owned::unregister(child.pid);
     }

@@ -477,7 +477,7 @@ impl WorkerActor {
 
     fn on_spawned(&mut self, child: spawn::Spawned, ctx: &mut Context<Self>) {
         let pid = child.pid;
-        self.fingerprint = child.fingerprint.clone();
+        self.fingerprint = Some(child.fingerprint.clone());
         self.pidfd = Some(Arc::new(child.pidfd));
         tracing::info!(
             run_id = self.run_id(),
@@ -502,8 +502,8 @@ impl WorkerActor {
             Ok(None) => {}
             // The run closed before its evidence landed: archived or reclaimed between claim
             // and spawn (end it now), or a fast report (end it after the grace, if alive).
-            // The reaper drives the end (one kill, one record), with the grace it is due — through
-            // this actor when the worker has no fingerprint to be signalled by.
+            // The reaper drives the end (one kill, one record), with the grace it is due —
+            // through this actor, which owns the child.
             Ok(Some((outcome, ended_at))) => act.dispatcher.do_send(super::dispatcher::EvidenceAfterClose {
                 run_id: act.run_id(),
                 task_id: act.task_id(),

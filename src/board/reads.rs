@@ -237,8 +237,9 @@ impl Tx<'_> {
     /// Runs holding a worker slot, per assignee: what the caps count, since `max_in_progress`
     /// bounds live workers. Open runs (a previous incarnation's too), and closed runs whose
     /// worker may still be alive (it reported and has not exited yet, it is being ended) or is
-    /// still being started. Not a closed run whose worker was recorded without a fingerprint:
-    /// nothing can ever prove that one gone, and it must not take a slot for good. (A run's
+    /// still being started. Not a closed run whose worker was recorded without a fingerprint
+    /// (a legacy row: a start that cannot fingerprint its child now fails): nothing can ever
+    /// prove that one gone, and it must not take a slot for good. (A run's
     /// evidence is cleared as a whole, so `worker_start_ticks` is set exactly while it holds a
     /// fingerprinted worker.)
     pub fn slot_holders_by_assignee(&self) -> Result<BTreeMap<String, u32>> {

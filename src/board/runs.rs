@@ -617,7 +617,7 @@ impl Tx<'_> {
         now: Millis,
     ) -> Result<bool> {
         let run = self.get_run(run_id)?;
-        // `IS` compares NULLs too: a worker spawned without a fingerprint is cleared by the
+        // `IS` compares NULLs too: a legacy worker without a fingerprint is cleared by the
         // owner that watched it exit.
         let changed = self
             .conn

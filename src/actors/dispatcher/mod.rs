@@ -464,8 +464,8 @@ impl DispatcherActor {
                 boot_id: boot_id.to_string(),
                 start_ticks: ticks,
             }),
-            // No fingerprint (its /proc read failed at spawn, or a legacy row): never signalled
-            // by pid — but our own WorkerActor holds its pidfd and can still end it.
+            // No fingerprint (a legacy row; a start that cannot fingerprint its child fails
+            // now): never signalled by pid — but a WorkerActor of ours holds its pidfd.
             _ if self.workers.contains_key(&run_id) => None,
             _ => return,
         };
