@@ -233,3 +233,77 @@ fn what_a_reporting_worker_leaves_in_its_group_is_ended_when_it_exits_not_after_
         serve.stderr()
     );
 }
+
+#[test]
+fn a_retry_never_starts_beside_an_escapee_of_the_crashed_run() {
+    let td = TestDir::new();
+    let marks = td.path().join("marks");
+    std::fs::create_dir_all(&marks).unwrap();
+    // The first attempt leaves an escapee and crashes with a retry code; the retry (no
+    // cooldown, a tick far away: only the exit's own transaction could start it at once) runs
+    // until it is ended.
+    let worker = format!(
+        "if mkdir {m:?}/first 2>/dev/null; then setsid sleep 306 & sleep 0.3; exit 3; \
+         else exec sleep 307; fi",
+        m = marks.display().to_string()
+    );
+    let config = td.write_config(
+        "tick = \"3s\"",
+        &format!(
+            "[reaper]\nkill_timeout = \"1s\"\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
+             retry_exit_codes = [3]\nretry_cooldown = \"0s\"\n"
+        ),
+    );
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(&NewTask::titled("w").for_assignee("w"), now_millis())?
+            .id)
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    db.wait_event(task, "worker_spawned", SETTLE);
+    let first = db.runs(task)[0].clone();
+    let escapee = wait_run_procs(&first.token, &["sleep 306"], SETTLE).remove(0);
+    let _pin = escapee.pin();
+
+    // The crash keeps the run's evidence until the escapee is ended; only then is the task
+    // claimed again.
+    let mut retry = None;
+    assert!(
+        wait_until(SETTLE, || {
+            retry = db
+                .runs(task)
+                .get(1)
+                .filter(|r| r.spawned_pid.is_some())
+                .cloned();
+            retry.is_some()
+        }),
+        "no retry\n{}",
+        db.history(task)
+    );
+    let retry = retry.unwrap();
+    let second = wait_run_procs(&retry.token, &["sleep 307"], SETTLE).remove(0);
+    let _pin2 = second.pin();
+    assert!(
+        !escapee.alive(),
+        "run {} started {} while run {}'s escapee {escapee:?} still ran\n{}",
+        retry.id,
+        second.pid,
+        first.id,
+        db.history(task)
+    );
+    let first = db.run(first.id);
+    assert_eq!(first.outcome, Some(RunOutcome::Crashed), "{first:?}");
+    assert_eq!(first.worker_pid, None, "evidence cleared: {first:?}");
+    let ended = db.wait_event(task, "worker_group_ended", SETTLE);
+    assert_eq!(ended.run_id, Some(first.id));
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}

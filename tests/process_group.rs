@@ -246,7 +246,7 @@ fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
     let carriers = alive(&token);
     assert!(carriers.len() >= 3, "{carriers:?}");
 
-    let signalled = end_token_carriers(&token, SETTLE);
+    let signalled = end_token_carriers(&token, SETTLE).expect("every carrier ended");
 
     assert!(signalled >= carriers.len(), "{signalled} < {carriers:?}");
     for (p, fp) in &carriers {
@@ -265,7 +265,10 @@ fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
 #[test]
 fn end_token_carriers_with_an_empty_or_unknown_token_signals_nothing() {
     use runwarden::process::descendants::end_token_carriers;
-    assert_eq!(end_token_carriers("", Duration::from_millis(10)), 0);
+    assert_eq!(
+        end_token_carriers("", Duration::from_millis(10)).unwrap(),
+        0
+    );
     let token = format!("{:032x}", rand::random::<u128>());
-    assert_eq!(end_token_carriers(&token, Duration::MAX), 0);
+    assert_eq!(end_token_carriers(&token, Duration::MAX).unwrap(), 0);
 }

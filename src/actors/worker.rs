@@ -44,6 +44,11 @@ struct LeaderExited;
 /// Extra attempts at recording an exit the store refused.
 const EXIT_RECORD_RETRIES: u32 = 5;
 
+/// Up to this age a leader's escaped descendants are looked for among the pids handed out
+/// since its own (see `descendants::carrier_among_recent`); an older one's exit scans /proc.
+/// Far below the time the pid numbering takes to come round even on a busy machine.
+const RECENT_PROBE_MAX_AGE: Duration = Duration::from_secs(1);
+
 /// Borrowed view of the pidfd for tokio's reactor.
 struct Watch(Arc<PidFd>);
 
@@ -85,6 +90,8 @@ pub struct WorkerActor {
     kill_failed: bool,
     /// Clear the run's evidence once the running tree-end finishes.
     clear_when_ended: bool,
+    /// When our child was started (None for an adopted worker).
+    spawned_at: Option<std::time::Instant>,
     /// The exit is recorded; the actor finishes once no tree-end is running (the reaper and
     /// the dispatcher keep treating the run as owned until then).
     exit_done: bool,
@@ -136,6 +143,7 @@ impl WorkerActor {
             tree_ending: false,
             kill_failed: false,
             clear_when_ended: false,
+            spawned_at: None,
             exit_done: false,
         }
     }
@@ -271,6 +279,10 @@ impl WorkerActor {
         self.record_exit(pidfd, Some(status), ctx);
     }
 
+    /// Records the leader's exit once it is known whether its tree outlives it: members left in
+    /// its group, or descendants that escaped the group (`setsid`) and still carry the run's
+    /// token. While either runs the run keeps its evidence — its task cannot be claimed again
+    /// beside them — and the tree is ended before the evidence is cleared.
     fn record_exit(
         &mut self,
         pidfd: Arc<PidFd>,
@@ -278,6 +290,43 @@ impl WorkerActor {
         ctx: &mut Context<Self>,
     ) {
         self.exit_recorded = true;
+        // The group probe is one syscall (signal 0 through the pidfd), fine on this thread.
+        if pidfd.group_exists().unwrap_or(true) {
+            return self.record_exit_probed(pidfd, status, true, ctx);
+        }
+        // Escapees of a young worker of ours are among the few pids handed out since its start:
+        // probed here (most are gone or are other workers). Any other — an older worker, one
+        // adopted from a previous incarnation (whose escapees went to init, not to us) — means
+        // a scan of /proc for the token, on the blocking pool.
+        let young = self
+            .spawned_at
+            .is_some_and(|t| t.elapsed() < RECENT_PROBE_MAX_AGE);
+        let recent = young
+            .then(|| descendants::carrier_among_recent(pidfd.pid(), &self.spec.token))
+            .flatten();
+        if let Some(escaped) = recent {
+            return self.record_exit_probed(pidfd, status, escaped, ctx);
+        }
+        let token = self.spec.token.clone();
+        async move {
+            actix_rt::task::spawn_blocking(move || !descendants::find_by_token(&token).is_empty())
+                .await
+                // A probe that died proves nothing: keep the evidence and end the tree.
+                .unwrap_or(true)
+        }
+        .into_actor(self)
+        .map(move |escaped, act, ctx| act.record_exit_probed(pidfd, status, escaped, ctx))
+        .wait(ctx);
+    }
+
+    /// [`Self::record_exit`] with `tree_alive` known.
+    fn record_exit_probed(
+        &mut self,
+        pidfd: Arc<PidFd>,
+        status: Option<ExitStatus>,
+        tree_alive: bool,
+        ctx: &mut Context<Self>,
+    ) {
         let exit = match status {
             Some(ExitStatus::Code(c)) => ExitInfo {
                 code: Some(c),
@@ -292,11 +341,10 @@ impl WorkerActor {
                 signal: None,
             },
         };
-        // The leader is gone; anything left in its group is a leak nobody will clean up. The
-        // probe is one syscall (signal 0 through the pidfd), fine on the actor thread; when it
-        // finds members, the run keeps its evidence (so its task cannot be claimed again beside
-        // them) until the tree has been ended off this thread and the evidence cleared.
-        let group_alive = pidfd.group_exists().unwrap_or(true);
+        // The leader is gone; anything left of its tree is a leak nobody will clean up: the run
+        // keeps its evidence until the tree has been ended off this thread and the evidence
+        // cleared.
+        let group_alive = tree_alive;
         if group_alive {
             self.end_tree(pidfd.clone(), true, ctx);
         }
@@ -478,6 +526,7 @@ impl WorkerActor {
     fn on_spawned(&mut self, child: spawn::Spawned, ctx: &mut Context<Self>) {
         let pid = child.pid;
         self.fingerprint = Some(child.fingerprint.clone());
+        self.spawned_at = Some(std::time::Instant::now());
         self.pidfd = Some(Arc::new(child.pidfd));
         tracing::info!(
             run_id = self.run_id(),

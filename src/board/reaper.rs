@@ -137,7 +137,8 @@ pub fn reap_one(
     if let Some(token) = &c.token
         && !matches!(verdict, ReapVerdict::Unknown(_))
     {
-        process::descendants::end_token_carriers(token, kill_timeout);
+        // One that survives SIGKILL fails the row: its evidence stays, the next sweep retries.
+        process::descendants::end_token_carriers(token, kill_timeout)?;
     }
     Ok(verdict)
 }

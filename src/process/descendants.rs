@@ -59,6 +59,118 @@ pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
     found
 }
 
+/// Whether `pid` (not ourselves) carries the token behind `needle`.
+fn carries(pid: Pid, needle: &[u8]) -> bool {
+    pid != std::process::id() as Pid
+        && read_environ(pid).is_some_and(|env| env.split(|&b| b == 0).any(|var| var == needle))
+}
+
+/// Most pids [`carrier_among_recent`] probes one by one; beyond it a scan of /proc is cheaper.
+const RECENT_PROBE_LIMIT: usize = 128;
+
+/// Whether a process carrying `token` exists among the pids handed out after `leader`'s, up
+/// to the most recent one — `None` when that cannot be told cheaply (more than
+/// [`RECENT_PROBE_LIMIT`] pids, or ns_last_pid or pid_max unreadable): the caller then scans
+/// with [`find_by_token`].
+///
+/// For a run whose leader started moments ago: every descendant of it was started after it,
+/// and pids are handed out in increasing order, wrapping at `pid_max` to 300 — so its
+/// descendants are among these pids unless the numbering has come round past the leader (the
+/// caller keeps this to young leaders). Pids of our registered children (other workers) are
+/// skipped without a syscall, and most of the rest with one (see [`kin`]).
+pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
+    /// Where the numbering restarts after a wrap (the kernel's RESERVED_PIDS).
+    const FIRST_AFTER_WRAP: Pid = 300;
+    let last = last_pid()?;
+    // pid_max only matters when the numbering wrapped since the leader's start.
+    let max = if last < leader { pid_max()? } else { Pid::MAX };
+    let needle = needle(token);
+    let mut pid = leader;
+    let mut probed = 0;
+    while pid != last {
+        pid = if pid + 1 >= max {
+            FIRST_AFTER_WRAP
+        } else {
+            pid + 1
+        };
+        probed += 1;
+        if pid == leader || probed > RECENT_PROBE_LIMIT {
+            return None;
+        }
+        // pidfd_open first: it fails in a fraction of a microsecond for a pid that is gone
+        // (most of them) or names a thread, where opening a /proc path costs several.
+        if super::owned::is_registered(pid) {
+            continue;
+        }
+        match kin(pid) {
+            Kin::Gone | Kin::SharesOurMemory => {}
+            Kin::Other if carries(pid, &needle) => return Some(true),
+            Kin::Other => {}
+            Kin::Unknown => match super::PidFd::open(pid) {
+                Ok(_) if carries(pid, &needle) => return Some(true),
+                Ok(_) | Err(super::ProcessError::NoSuchProcess { .. }) => {}
+                // Out of fds, say: nothing told about this pid; the caller scans instead.
+                Err(_) => return None,
+            },
+        }
+    }
+    Some(false)
+}
+
+/// What one syscall tells about a pid, before any /proc read (see [`kin`]).
+enum Kin {
+    /// No process has it.
+    Gone,
+    /// It shares our address space: one of our threads, or a child of a spawner thread still
+    /// between its fork and its exec (which is then our worker being started — a `vfork`-style
+    /// spawn shares the parent's memory until exec — not anybody's descendant).
+    SharesOurMemory,
+    /// Another process.
+    Other,
+    /// kcmp(2) is not available (or not allowed): look the long way.
+    Unknown,
+}
+
+/// kcmp(2) of our address space with `pid`'s: a fraction of a microsecond where a pidfd costs
+/// several and a /proc read ten. Most pids [`carrier_among_recent`] meets are gone or are
+/// workers still being started (pre-exec, in our address space), and those take no read.
+fn kin(pid: Pid) -> Kin {
+    /// `KCMP_VM` of `enum kcmp_type` (linux/kcmp.h).
+    const KCMP_VM: libc::c_long = 1;
+    let me = std::process::id() as libc::c_long;
+    // SAFETY: kcmp only compares kernel objects of two tasks; no memory is passed.
+    let r = unsafe { libc::syscall(libc::SYS_kcmp, me, pid as libc::c_long, KCMP_VM, 0, 0) };
+    match r {
+        0 => Kin::SharesOurMemory,
+        1..=3 => Kin::Other,
+        _ if std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) => Kin::Gone,
+        _ => Kin::Unknown,
+    }
+}
+
+/// The pid most recently handed out in our pid namespace (`/proc/sys/kernel/ns_last_pid`).
+/// The file is kept open and read at offset 0 each time (the value is produced afresh by every
+/// read): a tenth of an open-read-close on every worker exit.
+fn last_pid() -> Option<Pid> {
+    use std::os::unix::fs::FileExt;
+    static FILE: std::sync::OnceLock<Option<fs::File>> = std::sync::OnceLock::new();
+    let file = FILE
+        .get_or_init(|| fs::File::open("/proc/sys/kernel/ns_last_pid").ok())
+        .as_ref()?;
+    let mut buf = [0u8; 16];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()
+}
+
+/// `/proc/sys/kernel/pid_max` (read when needed: it may be changed while we run).
+fn pid_max() -> Option<Pid> {
+    fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// `/proc/<pid>/environ`, or `None` if it cannot be read.
 fn read_environ(pid: Pid) -> Option<Vec<u8>> {
     fs::read(format!("/proc/{pid}/environ")).ok()
@@ -186,22 +298,33 @@ pub fn pidfds_by_token(token: &str) -> Vec<super::PidFd> {
 /// it leads one), a wait of up to `kill_timeout` for each (the deadline is shared), SIGKILL to
 /// those still running; then one more scan SIGKILLs any carrier that appeared meanwhile (forked
 /// by one being ended). Every signal goes through a pidfd verified against a fingerprint read
-/// before the token (see [`find_by_token`]). Blocking. Returns how many carriers were signalled.
-pub fn end_token_carriers(token: &str, kill_timeout: Duration) -> usize {
+/// before the token (see [`find_by_token`]). Blocking. Returns how many carriers were
+/// signalled, or an error when one SIGKILLed is still there after [`super::AFTER_SIGKILL`]
+/// (uninterruptible sleep): callers keep the run's evidence then, since "ended" must mean gone.
+pub fn end_token_carriers(
+    token: &str,
+    kill_timeout: Duration,
+) -> Result<usize, super::ProcessError> {
     let deadline = super::deadline_after(kill_timeout);
     end_carriers(pidfds_by_token(token), token, deadline)
 }
 
 /// [`end_token_carriers`] for carriers already found (SIGTERMed already or not: a second
 /// SIGTERM is harmless), waiting for them until `deadline`.
-fn end_carriers(carriers: Vec<super::PidFd>, token: &str, deadline: Instant) -> usize {
+fn end_carriers(
+    carriers: Vec<super::PidFd>,
+    token: &str,
+    deadline: Instant,
+) -> Result<usize, super::ProcessError> {
     for fd in &carriers {
         signal_straggler(fd, super::Signal::SIGTERM);
     }
+    let mut killed = Vec::new();
     for fd in &carriers {
         let left = deadline.saturating_duration_since(Instant::now());
         if !fd.wait_exit(left).unwrap_or(false) {
             signal_straggler(fd, super::Signal::SIGKILL);
+            killed.push(fd);
         }
     }
     // A carrier may have forked after the first scan; its children carry the token too.
@@ -210,11 +333,21 @@ fn end_carriers(carriers: Vec<super::PidFd>, token: &str, deadline: Instant) -> 
     for fd in &late {
         signal_straggler(fd, super::Signal::SIGKILL);
     }
+    let after_kill = super::deadline_after(super::AFTER_SIGKILL);
+    for fd in killed.into_iter().chain(&late) {
+        let left = after_kill.saturating_duration_since(Instant::now());
+        if !fd.wait_exit(left).unwrap_or(false) {
+            return Err(super::ProcessError::SurvivedSigkill {
+                pid: fd.pid(),
+                after: super::AFTER_SIGKILL,
+            });
+        }
+    }
     let new = late
         .iter()
         .filter(|fd| !carriers.iter().any(|c| c.pid() == fd.pid()))
         .count();
-    carriers.len() + new
+    Ok(carriers.len() + new)
 }
 
 /// Ends a run's whole tree: SIGTERM to the leader's group (through the pidfd we hold) and to
@@ -235,8 +368,9 @@ pub fn terminate_tree(
         signal_straggler(fd, super::Signal::SIGTERM);
     }
     let ended = super::terminate_group(leader, kill_timeout);
-    // Their SIGTERM went out with the group's: one deadline for both.
-    end_carriers(stragglers, token, deadline);
+    // Their SIGTERM went out with the group's: one deadline for both. A straggler still there
+    // after SIGKILL fails the whole end, as a group member would.
+    end_carriers(stragglers, token, deadline)?;
     ended
 }
 
@@ -250,6 +384,44 @@ mod tests {
         assert_eq!(run_vars(env), (Some("abc".into()), Some(42)));
         assert_eq!(run_vars(b"RUNWARDEN_RUN_ID=nope\0"), (None, None));
         assert_eq!(run_vars(b""), (None, None));
+    }
+
+    #[test]
+    fn a_carrier_started_after_the_leader_is_found_among_recent_pids() {
+        use std::process::{Command, Stdio};
+        let token = format!("recent-{}-{:x}", std::process::id(), rand::random::<u64>());
+        let spawn = |env: Option<&str>| {
+            let mut cmd = Command::new("sleep");
+            cmd.arg("30").stdin(Stdio::null());
+            if let Some(t) = env {
+                cmd.env("RUNWARDEN_RUN_TOKEN", t);
+            }
+            cmd.spawn().unwrap()
+        };
+        let mut leader = spawn(None);
+        let mut carrier = spawn(Some(&token));
+        let leader_pid = leader.id() as Pid;
+        // `None` (too many pids handed out meanwhile by parallel tests) is the documented
+        // fallback to a full scan; a wrong answer is not.
+        let found = carrier_among_recent(leader_pid, &token);
+        let quiet = last_pid().is_some_and(|l| l >= leader_pid && l - leader_pid < 64);
+        if quiet {
+            assert_eq!(found, Some(true));
+        }
+        assert_ne!(found, Some(false));
+        assert_ne!(
+            carrier_among_recent(leader_pid, "another-token"),
+            Some(true)
+        );
+        // Only pids after the leader's count: the carrier is not among those after its own.
+        assert_ne!(
+            carrier_among_recent(carrier.id() as Pid, &token),
+            Some(true)
+        );
+        for child in [&mut leader, &mut carrier] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     #[test]

@@ -226,13 +226,19 @@ impl DispatcherActor {
                 let token = run.token.clone();
                 let stragglers = leader.is_none();
                 async move {
-                    // Nothing (left) runs under this run as a worker: end any straggler.
-                    if stragglers {
-                        let _ = actix_rt::task::spawn_blocking(move || process::descendants::end_token_carriers(&token, kill)).await;
-                    }
+                    // Nothing (left) runs under this run as a worker: end any straggler. One
+                    // still there after SIGKILL keeps the run as it is (the next tick retries).
+                    !stragglers
+                        || matches!(
+                            actix_rt::task::spawn_blocking(move || {
+                                process::descendants::end_token_carriers(&token, kill)
+                            })
+                            .await,
+                            Ok(Ok(_))
+                        )
                 }
                 .into_actor(self)
-                .then(move |_, act, _| {
+                .then(move |ended, act, _| {
                     // Checked again on the actor thread just before the write: a claim of ours
                     // whose reply came late (a commit stalled past JUST_CLAIMED_MS) may have got
                     // its WorkerActor meanwhile, and then its start is that actor's to settle —
@@ -240,7 +246,7 @@ impl DispatcherActor {
                     let theirs = act.workers.contains_key(&run_id);
                     let store = act.store.clone();
                     async move {
-                        if theirs {
+                        if theirs || !ended {
                             return;
                         }
                         let r = match leader {
@@ -333,11 +339,16 @@ impl DispatcherActor {
                 let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
                 async move {
                     // The leader is gone, but what it left (group members, setsid escapees)
-                    // still carries the run's token: end it before the task can run again.
-                    let _ = actix_rt::task::spawn_blocking(move || {
+                    // still carries the run's token: end it before the task can run again. One
+                    // still there after SIGKILL leaves the run open (the next tick retries).
+                    let ended = actix_rt::task::spawn_blocking(move || {
                         process::descendants::end_token_carriers(&token, kill)
                     })
                     .await;
+                    if !matches!(ended, Ok(Ok(_))) {
+                        tracing::warn!(run_id, "reconcile: a dead worker's descendants outlived SIGKILL; run left open");
+                        return;
+                    }
                     let r = store
                         .with_tx(move |tx, now| {
                             tx.record_worker_exit(

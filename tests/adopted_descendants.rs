@@ -1,0 +1,86 @@
+//! An adopted worker's escaped descendants are ended with it. A worker left running by
+//! `shutdown = "leave"` is re-parented to init (here: this test process, standing in for an
+//! init that reaps at once, like systemd or tini), and so is its `setsid` escapee — not to the
+//! next supervisor, whose stray sweep only sees its own children. When the adopted worker
+//! exits with its group empty, its exit must still find the escapee by the run's token, end
+//! it, and only then clear the run's evidence.
+//!
+//! One test in this file: it makes the test process a child subreaper.
+
+#[allow(dead_code)]
+mod common;
+
+use common::lifecycle::{Db, View, open_gate, stop_serve, wait_for_gate, wait_run_procs};
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, Serve, TestDir};
+use runwarden::board::{NewTask, TaskStatus, now_millis};
+use runwarden::process::{Signal, read_stat};
+
+#[test]
+fn an_adopted_workers_escapee_is_ended_when_the_worker_exits() {
+    let td = TestDir::new();
+    let gates = td.path().join("gates");
+    let worker = format!("setsid sleep 308 & {}; exit 0", wait_for_gate(60));
+    let config = td.write_config(
+        "tick = \"200ms\"\nshutdown = \"leave\"",
+        &format!(
+            "[reaper]\ngrace = \"1s\"\nkill_timeout = \"1s\"\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
+             env = {{ GATE_DIR = {gates:?} }}\n"
+        ),
+    );
+    runwarden::process::become_subreaper().expect("become a subreaper");
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(&NewTask::titled("w").for_assignee("w"), now_millis())?
+            .id)
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    db.wait_event(task, "worker_spawned", SETTLE);
+    let run = db.runs(task)[0].clone();
+    let escapee = wait_run_procs(&run.token, &["sleep 308"], SETTLE).remove(0);
+    let _pin = escapee.pin();
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(status.is_some_and(|s| s.success()), "{}", serve.stderr());
+
+    // The worker is ours now: reap it the moment it exits, as init would.
+    let leader = run.spawned_pid.expect("spawned pid") as i32;
+    let me = std::process::id() as i32;
+    assert!(
+        wait_until(SETTLE, || read_stat(leader).is_ok_and(|s| s.ppid == me)),
+        "the worker was not re-parented to the test"
+    );
+    let reaper = std::thread::spawn(move || {
+        nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(leader), None)
+    });
+
+    let mut serve = Serve::start(&config, "serve2");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    db.wait_event(task, "worker_adopted", SETTLE);
+    assert!(
+        escapee.alive(),
+        "{escapee:?} ended before its worker exited"
+    );
+    open_gate(&gates, task);
+    db.wait_status(task, TaskStatus::Done, SETTLE);
+    let reaped = reaper.join().expect("reaper thread");
+    assert!(reaped.is_ok(), "the worker was not reaped here: {reaped:?}");
+
+    let ended = db.wait_event(task, "worker_group_ended", SETTLE);
+    assert_eq!(ended.run_id, Some(run.id));
+    assert!(
+        !escapee.alive(),
+        "{escapee:?} outlived its adopted worker\n{}",
+        db.history(task)
+    );
+    assert_eq!(db.run(run.id).worker_pid, None, "evidence cleared");
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}
