@@ -14,7 +14,8 @@ use super::output::{Out, line};
 use super::tasks::print_changed;
 use super::{Cli, CliError, connect};
 use crate::board::{RunId, TaskId};
-use crate::control::protocol::{Block, Complete, Heartbeat};
+use crate::control::client::{Client, ClientError};
+use crate::control::protocol::{self, Block, Complete, Heartbeat};
 
 /// `runwarden complete`.
 #[derive(Debug, Args)]
@@ -107,7 +108,8 @@ pub fn complete(cli: &Cli, out: Out, args: &CompleteArgs) -> Result<(), CliError
         },
         (None, None) => return Err(not_in_worker("complete ID")),
     };
-    let task = connect_for(cli, req.token.is_some())?.complete(req)?;
+    let worker = req.token.is_some();
+    let task = request(cli, worker, |c| c.complete(req.clone()))?;
     print_changed(&out, &task, "completed")
 }
 
@@ -140,7 +142,8 @@ pub fn block(cli: &Cli, out: Out, args: &BlockArgs) -> Result<(), CliError> {
         },
         (None, None) => return Err(not_in_worker("block ID REASON")),
     };
-    let task = connect_for(cli, req.token.is_some())?.block(req)?;
+    let worker = req.token.is_some();
+    let task = request(cli, worker, |c| c.block(req.clone()))?;
     print_changed(&out, &task, "blocked")
 }
 
@@ -151,12 +154,13 @@ pub fn heartbeat(cli: &Cli, out: Out, args: &HeartbeatArgs) -> Result<(), CliErr
             "heartbeat runs inside a worker: RUNWARDEN_RUN_TOKEN, RUNWARDEN_TASK_ID and RUNWARDEN_RUN_ID are not set",
         ));
     };
-    let reply = connect_for(cli, true)?.heartbeat(Heartbeat {
+    let beat = Heartbeat {
         task: w.task,
         run: w.run,
         token: w.token,
         note: args.note.clone(),
-    })?;
+    };
+    let reply = request(cli, true, |c| c.heartbeat(beat.clone()))?;
     if out.json {
         return out.json(&reply);
     }
@@ -171,42 +175,72 @@ pub fn heartbeat(cli: &Cli, out: Out, args: &HeartbeatArgs) -> Result<(), CliErr
 /// How long a worker's report waits for a supervisor that is not listening (restarting).
 const WORKER_CONNECT_WAIT: Duration = Duration::from_secs(60);
 
-/// Connects; a worker reporting on its own run rides out a supervisor restart (socket gone or
-/// refusing) by retrying for up to [`WORKER_CONNECT_WAIT`] (`RUNWARDEN_CONNECT_WAIT`
-/// overrides), so its report is not lost. An operator's command fails at once.
-fn connect_for(cli: &Cli, worker: bool) -> Result<crate::control::client::Client, CliError> {
+/// Sends one request. A worker reporting on its own run rides out a supervisor restart — the
+/// socket gone or refusing, the connection closed before any reply (accepted while the server
+/// was stopping), the server stopping or out of connection slots — by retrying the whole
+/// exchange for up to [`WORKER_CONNECT_WAIT`] (`RUNWARDEN_CONNECT_WAIT` overrides), so its
+/// report is not lost. A report is never applied twice: a retry of one that did land finds its
+/// run closed (`stale_run`), which is said so. An operator's command fails at once.
+fn request<T>(
+    cli: &Cli,
+    worker: bool,
+    send: impl Fn(&mut Client) -> Result<T, ClientError>,
+) -> Result<T, CliError> {
     if !worker {
-        return connect(cli);
+        let mut client = connect(cli)?;
+        return Ok(send(&mut client)?);
     }
+    let path = super::socket_path(cli)?;
     let wait = std::env::var("RUNWARDEN_CONNECT_WAIT")
         .ok()
         .and_then(|v| humantime::parse_duration(&v).ok())
         .unwrap_or(WORKER_CONNECT_WAIT);
-    let path = super::socket_path(cli)?;
     let deadline = crate::deadline_after(wait);
     let mut delay = Duration::from_millis(50);
     let mut told = false;
+    let mut retried = false;
     loop {
-        match crate::control::client::Client::connect(&path) {
-            Ok(mut client) => {
-                client.hello()?;
-                return Ok(client);
+        let attempt = Client::connect(&path).and_then(|mut client| {
+            client.hello()?;
+            send(&mut client)
+        });
+        let e = match attempt {
+            Ok(reply) => return Ok(reply),
+            Err(e) if retried && e.code() == Some(protocol::code::STALE_RUN) => {
+                return Err(CliError::failure(format!(
+                    "{e}; an earlier attempt of this report may have been recorded before the \
+                     supervisor went away"
+                )));
             }
-            Err(e @ crate::control::client::ClientError::NotRunning { .. })
-                if Instant::now() < deadline =>
-            {
-                if !told {
-                    eprintln!(
-                        "runwarden: {e}; retrying for up to {}",
-                        humantime::format_duration(wait)
-                    );
-                    told = true;
-                }
-                std::thread::sleep(delay.min(deadline.saturating_duration_since(Instant::now())));
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
+            Err(e) if passing(&e) && Instant::now() < deadline => e,
             Err(e) => return Err(e.into()),
+        };
+        if !told {
+            eprintln!(
+                "runwarden: {e}; retrying for up to {}",
+                humantime::format_duration(wait)
+            );
+            told = true;
         }
+        retried = true;
+        std::thread::sleep(delay.min(deadline.saturating_duration_since(Instant::now())));
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Failures a restart or a busy moment of the supervisor explains, after which nothing of the
+/// request was applied (a request the server read is answered before it closes).
+fn passing(e: &ClientError) -> bool {
+    match e {
+        ClientError::NotRunning { .. } | ClientError::Closed => true,
+        ClientError::Io(io) => matches!(
+            io.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ),
+        ClientError::Server { code, .. } => {
+            code == protocol::code::UNAVAILABLE || code == protocol::code::TOO_MANY_CONNECTIONS
+        }
+        _ => false,
     }
 }
 
