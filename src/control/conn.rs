@@ -25,7 +25,7 @@ use futures::stream::{FuturesOrdered, FuturesUnordered};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::net::unix::OwnedReadHalf;
-use tokio::sync::{OnceCell, OwnedSemaphorePermit};
+use tokio::sync::OnceCell;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -63,13 +63,13 @@ enum LineError {
     Io,
 }
 
-/// Serves one accepted, authorized connection until it closes. `_permit` is its slot among
-/// `max_connections`; dropping it (on return) frees the slot.
+/// Serves one accepted, authorized connection until it closes. `_slot` is its place among
+/// `max_connections`; dropping it (on return) frees it.
 pub(super) async fn serve(
     stream: UnixStream,
     shared: Rc<Shared>,
     peer: Peer,
-    _permit: OwnedSemaphorePermit,
+    _slot: super::server::Slot,
 ) {
     let (rd, wr) = stream.into_split();
     let (out, mut writer) = Out::start(wr, shared.idle_timeout);

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{Notify, Semaphore, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 
 use super::conn;
 use super::protocol::{Response, code};
@@ -148,14 +148,8 @@ impl BoundSocket {
             shutdown: shutdown.clone(),
             stopping: stopping.clone(),
         });
-        actix_rt::spawn(accept_loop(
-            listener,
-            shared,
-            allowed,
-            connections.clone(),
-            max_connections,
-            stopping,
-        ));
+        let slots = Slots::new(connections.clone(), max_connections);
+        actix_rt::spawn(accept_loop(listener, shared, allowed, slots, stopping));
         tracing::info!(socket = %socket.display(), "control socket listening");
         // The server owns the file from here on (and removes it when it stops).
         let identity = std::mem::take(&mut self.identity);
@@ -350,12 +344,63 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
+/// The connection slots: `max_connections` in all, of which an eighth (rounded down) only
+/// operators may take — so the assignees' users, served for their own runs, can never lock
+/// the operators out by holding every connection open.
+struct Slots {
+    all: Arc<Semaphore>,
+    max: u32,
+    /// What worker-role peers may hold between them.
+    workers: Arc<Semaphore>,
+    workers_max: u32,
+}
+
+/// A connection's hold on its slot(s); dropping it frees them.
+pub(super) struct Slot {
+    _all: OwnedSemaphorePermit,
+    _worker: Option<OwnedSemaphorePermit>,
+}
+
+impl Slots {
+    fn new(all: Arc<Semaphore>, max: u32) -> Slots {
+        let workers_max = max - max / 8;
+        Slots {
+            all,
+            max,
+            workers: Arc::new(Semaphore::new(workers_max as usize)),
+            workers_max,
+        }
+    }
+
+    /// A slot for a peer of `role`, or the refusal to send it.
+    fn take(&self, role: Role) -> Result<Slot, String> {
+        let worker = match role {
+            Role::Operator => None,
+            Role::Worker => Some(self.workers.clone().try_acquire_owned().map_err(|_| {
+                format!(
+                    "too many connections from workers' users (at most {} of {}, the rest kept for operators); try again later",
+                    self.workers_max, self.max
+                )
+            })?),
+        };
+        let all = self.all.clone().try_acquire_owned().map_err(|_| {
+            format!(
+                "too many connections (at most {}); try again later",
+                self.max
+            )
+        })?;
+        Ok(Slot {
+            _all: all,
+            _worker: worker,
+        })
+    }
+}
+
 async fn accept_loop(
     listener: UnixListener,
     shared: Rc<Shared>,
     allowed: Allowed,
-    connections: Arc<Semaphore>,
-    max_connections: u32,
+    slots: Slots,
     mut stopping: watch::Receiver<bool>,
 ) {
     loop {
@@ -397,14 +442,12 @@ async fn accept_loop(
             pid: cred.pid(),
             role,
         };
-        match connections.clone().try_acquire_owned() {
-            Ok(permit) => {
-                actix_rt::spawn(conn::serve(stream, shared.clone(), peer, permit));
+        match slots.take(role) {
+            Ok(slot) => {
+                actix_rt::spawn(conn::serve(stream, shared.clone(), peer, slot));
             }
-            Err(_) => {
-                tracing::debug!(max = max_connections, "control: too many connections");
-                let msg =
-                    format!("too many connections (at most {max_connections}); try again later");
+            Err(msg) => {
+                tracing::debug!(uid = peer.uid, "control: {msg}");
                 actix_rt::spawn(refuse(stream, code::TOO_MANY_CONNECTIONS, msg));
             }
         }
