@@ -77,16 +77,27 @@ struct Booted {
     _lock: LockFile,
 }
 
+/// The data dir and its `logs/` and `work/`. The data dir's own mode is the control server's
+/// (0700, or 0711 when the socket serves other users); inside it `logs/` is 0700 (logs are
+/// read through the socket) and `work/` 0711 (a worker running as another user must reach its
+/// own `work/<id>`, which is 0700 and its), set on every start so a board from before these
+/// modes gets them too.
 fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
-    for dir in [
-        config.supervisor.data_dir.clone(),
-        config.logs_dir(),
-        config.work_dir(),
+    use std::os::unix::fs::PermissionsExt;
+    for (dir, mode) in [
+        (config.supervisor.data_dir.clone(), None),
+        (config.logs_dir(), Some(0o700)),
+        (config.work_dir(), Some(0o711)),
     ] {
-        std::fs::create_dir_all(&dir).map_err(|source| SupervisorError::Dir {
+        let dir_err = |source| SupervisorError::Dir {
             path: dir.clone(),
             source,
-        })?;
+        };
+        std::fs::create_dir_all(&dir).map_err(dir_err)?;
+        if let Some(mode) = mode {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
+                .map_err(dir_err)?;
+        }
     }
     Ok(())
 }

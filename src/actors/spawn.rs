@@ -156,7 +156,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     // Only the supervisor's own per-task directory is created; a configured one was checked when
     // the supervisor started and is used as it is (if it has gone since, the start fails naming it).
     if spec.own_cwd {
-        fs::create_dir_all(&spec.cwd).map_err(|e| {
+        create_private_dir(&spec.cwd).map_err(|e| {
             format!(
                 "cannot create working directory {}: {e}",
                 spec.cwd.display()
@@ -357,15 +357,46 @@ pub fn find_in_path(program: &str, path: Option<&std::ffi::OsStr>, cwd: &Path) -
     })
 }
 
-/// Opens the task's log for appending, rotating it first when it has reached `max_bytes`.
+/// Creates `dir` (mode 0700: a task's work is its worker's business, and the data dir may be
+/// traversable by others when the socket serves them) — its parents as they come — or leaves an
+/// existing one as it is (a retry works where the first attempt did).
+fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let create = || fs::DirBuilder::new().mode(0o700).create(dir);
+    match create() {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(parent) = dir.parent() {
+                fs::create_dir_all(parent)?;
+            }
+            match create() {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+                other => other,
+            }
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Opens the task's log for appending (created 0600: only the supervisor reads it; the worker
+/// writes through the descriptor it is given), rotating it first when it has reached
+/// `max_bytes`.
 fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
-    let open = || OpenOptions::new().create(true).append(true).open(path);
+    use std::os::unix::fs::OpenOptionsExt;
+    let open = || {
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(path)
+    };
     let file = match open() {
         Ok(f) => f,
         // The log directory is created on first need (once per data dir, not once per run).
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if let Some(dir) = path.parent() {
-                fs::create_dir_all(dir)
+                create_private_dir(dir)
                     .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
             }
             open().map_err(|e| format!("cannot open log file {}: {e}", path.display()))?
