@@ -539,3 +539,36 @@ fn a_task_for_an_assignee_that_is_not_configured_is_refused() {
     }
     sup.shutdown();
 }
+
+#[test]
+fn out_of_range_task_limits_are_refused_naming_the_field() {
+    let mut d = daemon();
+    let mut c = d.raw();
+    c.hello();
+    for (i, (field, value)) in [
+        ("max_retries", "-3"),
+        ("max_runtime_ms", "-5"),
+        ("max_runtime_ms", "3155760000000001"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = c.call(&format!(
+            r#"{{"id":{i},"op":"add_task","title":"t","{field}":{value}}}"#
+        ));
+        assert_eq!(error_code(&r), "bad_request", "{r}");
+        assert!(message(&r).contains(field), "{r}");
+    }
+    let r = c.call(r#"{"id":9,"op":"list_tasks"}"#);
+    assert_eq!(r["result"]["tasks"], serde_json::json!([]), "{r}");
+    // In range (0 is "no limit"), it is taken.
+    let r = c.call(r#"{"id":10,"op":"add_task","title":"t","max_retries":0,"max_runtime_ms":0}"#);
+    assert_eq!(r["ok"], true, "{r}");
+
+    // The CLI does not wrap a duration too long for the protocol into a negative number.
+    let out = d.cli(&["add", "t", "--max-runtime", "300000000years"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("max_runtime_ms must be between"), "{err}");
+    d.assert_healthy();
+}

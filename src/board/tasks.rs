@@ -6,12 +6,31 @@ use serde_json::json;
 use super::types::{ClosedRun, Created, Millis, NewTask, RunOutcome, TaskId, TaskStatus};
 use super::{BoardError, Result, Tx, changed_one};
 
+/// The longest max runtime a task may ask for: 100 years, as for durations in the config.
+const MAX_RUNTIME_MS: i64 = 100 * 31_557_600 * 1000;
+
 impl Tx<'_> {
     /// Creates a task: `ready`, or `todo` while any parent is unfinished. With an idempotency key
     /// that already names an open task, returns that task (`existed: true`) and writes nothing.
     pub fn create_task(&self, new: &NewTask, now: Millis) -> Result<Created> {
         if new.title.trim().is_empty() {
             return Err(BoardError::Invalid("title must not be empty".into()));
+        }
+        // Out of range, they would silently mean something else (a negative runtime the
+        // assignee's; negative retries giving up at the first failure).
+        if let Some(ms) = new.max_runtime_ms
+            && !(0..=MAX_RUNTIME_MS).contains(&ms)
+        {
+            return Err(BoardError::Invalid(format!(
+                "max_runtime_ms must be between 0 (no limit) and {MAX_RUNTIME_MS} (100 years), not {ms}"
+            )));
+        }
+        if let Some(n) = new.max_retries
+            && n < 0
+        {
+            return Err(BoardError::Invalid(format!(
+                "max_retries must not be negative, not {n}"
+            )));
         }
         if let Some(key) = &new.idempotency_key {
             let existing: Option<TaskId> = self

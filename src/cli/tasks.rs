@@ -58,7 +58,11 @@ pub fn add(cli: &Cli, out: Out, args: &AddArgs) -> Result<(), CliError> {
         assignee: args.assignee.clone(),
         priority: args.priority,
         parents: args.parents.clone(),
-        max_runtime_ms: args.max_runtime.map(|d| d.as_millis() as i64),
+        // Saturating: a duration beyond i64 milliseconds is refused by the supervisor as too
+        // long, instead of wrapping into a negative number.
+        max_runtime_ms: args
+            .max_runtime
+            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
         max_retries: args.max_retries,
         idempotency_key: args.idempotency_key.clone(),
     };
