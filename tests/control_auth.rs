@@ -100,6 +100,175 @@ fn a_uid_in_allowed_uids_is_served() {
     assert_eq!(status["pid"], d.pid());
 }
 
+#[test]
+fn a_traversable_data_dir_still_hides_logs_and_work_dirs_from_other_users() {
+    // allowed_uids makes the data dir traversable (0711) for the socket; what is inside stays
+    // the supervisor's: logs 0700 (files 0600), work 0711 with each task's directory 0700.
+    let d = Daemon::start(
+        "",
+        &format!(
+            "[control]\nallowed_uids = [{NOBODY}]\n\n[assignees.w]\n\
+             command = [\"sh\", \"-c\", \"echo SECRET-LINE; echo x > note; exec sleep 30\"]\n"
+        ),
+    );
+    chmod(d.dir.path(), 0o755);
+    let id = d
+        .client()
+        .add_task(&NewTask::titled("t").for_assignee("w"))
+        .unwrap()
+        .id;
+    let log = d.data_dir.join("logs").join(format!("{id}.log"));
+    let work = d.data_dir.join("work").join(id.to_string());
+    assert!(wait_until(SETTLE, || std::fs::read_to_string(&log)
+        .is_ok_and(|s| s.contains("SECRET-LINE"))
+        && work.join("note").exists()));
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(
+        [
+            mode(&d.data_dir),
+            mode(&d.data_dir.join("logs")),
+            mode(&log),
+            mode(&d.data_dir.join("work")),
+            mode(&work),
+        ],
+        [0o711, 0o700, 0o600, 0o711, 0o700]
+    );
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(format!(
+            "cat {} {}/note; ls {} {}",
+            log.display(),
+            work.display(),
+            d.data_dir.join("logs").display(),
+            work.display()
+        ))
+        .uid(NOBODY)
+        .gid(NOBODY);
+    let out = run(cmd);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success() && stdout.trim().is_empty(),
+        "uid {NOBODY} read the supervisor's files: {stdout}"
+    );
+}
+
+/// A process of `nobody` holding `n` connections to `socket` open (connected, silent) until it
+/// is dropped, which kills it by its pid and reaps it.
+struct HeldConnections {
+    pid: libc::pid_t,
+}
+
+impl HeldConnections {
+    fn open(socket: &Path, n: usize) -> HeldConnections {
+        use std::os::unix::ffi::OsStrExt;
+        // Everything the child needs is prepared here: between fork and its end it only makes
+        // raw system calls (this test process has threads; nothing else is safe there).
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let path = socket.as_os_str().as_bytes();
+        assert!(path.len() < addr.sun_path.len(), "socket path too long");
+        for (dst, &src) in addr.sun_path.iter_mut().zip(path) {
+            *dst = src as libc::c_char;
+        }
+        let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+        let mut ready = [0 as libc::c_int; 2];
+        assert_eq!(unsafe { libc::pipe(ready.as_mut_ptr()) }, 0);
+        // SAFETY: the child calls only async-signal-safe functions and never returns.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            unsafe {
+                libc::close(ready[0]);
+                let nobody = NOBODY as libc::uid_t;
+                if libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setgid(nobody) != 0
+                    || libc::setuid(nobody) != 0
+                {
+                    libc::_exit(2);
+                }
+                let mut connected: u8 = 0;
+                for _ in 0..n {
+                    let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                    if fd >= 0
+                        && libc::connect(fd, &addr as *const _ as *const libc::sockaddr, len) == 0
+                    {
+                        connected += 1;
+                    }
+                }
+                libc::write(ready[1], &connected as *const u8 as *const libc::c_void, 1);
+                loop {
+                    libc::pause();
+                }
+            }
+        }
+        let held = HeldConnections { pid };
+        unsafe { libc::close(ready[1]) };
+        let mut connected = 0u8;
+        let got =
+            unsafe { libc::read(ready[0], &mut connected as *mut u8 as *mut libc::c_void, 1) };
+        unsafe { libc::close(ready[0]) };
+        assert_eq!(
+            (got, connected as usize),
+            (1, n),
+            "nobody could not open its connections"
+        );
+        held
+    }
+}
+
+impl Drop for HeldConnections {
+    fn drop(&mut self) {
+        unsafe {
+            libc::kill(self.pid, libc::SIGKILL);
+            libc::waitpid(self.pid, std::ptr::null_mut(), 0);
+        }
+    }
+}
+
+#[test]
+fn the_assignees_users_cannot_take_the_operators_connection_slots() {
+    let (_bin_dir, binary) = binary_for_nobody();
+    // `nobody` is an assignee's user: served as a worker only, and only within seven of the
+    // eight slots (an eighth is kept for operators).
+    let d = Daemon::start(
+        "",
+        "[control]\nmax_connections = 8\nidle_timeout = \"1m\"\n\n\
+         [assignees.other]\ncommand = [\"true\"]\nuser = \"nobody\"\n",
+    );
+    chmod(d.dir.path(), 0o755);
+    let hog = HeldConnections::open(&d.socket, 7);
+    // The server counts a connection once it has accepted it.
+    let mut refused = String::new();
+    assert!(
+        wait_until(SETTLE, || {
+            let out = status_as_nobody(&binary, &d.socket);
+            refused = String::from_utf8_lossy(&out.stderr).into_owned();
+            !out.status.success()
+        }),
+        "an eighth connection of nobody was served"
+    );
+    assert!(
+        refused.contains("too_many_connections") && refused.contains("kept for operators"),
+        "{refused}"
+    );
+    // The operator is still served.
+    let status: serde_json::Value =
+        serde_json::from_str(&ok(&d.cli(&["status", "--json"]))).unwrap();
+    assert_eq!(status["pid"], d.pid());
+    // Once they are closed, nobody's connections are taken again (and then its request is
+    // judged by its role: a worker's user may not ask for the status).
+    drop(hog);
+    assert!(
+        wait_until(SETTLE, || {
+            let out = status_as_nobody(&binary, &d.socket);
+            refused = String::from_utf8_lossy(&out.stderr).into_owned();
+            !refused.contains("too_many_connections")
+        }),
+        "the worker slots were not freed: {refused}"
+    );
+    assert!(refused.contains("unauthorized"), "{refused}");
+}
+
 /// A worker that saves its environment (atomically) in its working directory, then waits.
 const HOLDER: &str = r#"
 [assignees.hold]
