@@ -245,3 +245,53 @@ fn a_worker_report_made_during_a_restart_lands_once_the_supervisor_is_back() {
     );
     stop_serve(&mut second, Signal::SIGTERM, SETTLE);
 }
+
+#[test]
+fn a_worker_whose_assignee_left_the_config_is_still_adopted_and_ended_at_its_max_runtime() {
+    let td = TestDir::new();
+    let worker = "exec sleep 309";
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        &format!(
+            "[reaper]\ngrace = \"1s\"\nkill_timeout = \"1s\"\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"
+        ),
+    );
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let mut new = NewTask::titled("t").for_assignee("w");
+    new.max_runtime_ms = Some(3_000);
+    let task = db.write(|tx| Ok(tx.create_task(&new, now_millis())?.id));
+    let mut first = Serve::start(&config, "serve1");
+    first.wait_ready(&td.lock_path(), &td.db_path());
+    let spawned = db.wait_event(task, "worker_spawned", SETTLE);
+    let (pid, fp) = spawned_identity(&spawned);
+    let worker = WorkerGuard::pin(pid, &fp);
+    stop_serve(&mut first, Signal::SIGKILL, SETTLE);
+    assert!(worker.alive(), "the worker died with its supervisor");
+
+    // The next incarnation's config no longer has the assignee.
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        "[reaper]\ngrace = \"1s\"\nkill_timeout = \"1s\"\n\n\
+         [assignees.other]\ncommand = [\"true\"]\n",
+    );
+    let mut second = Serve::start(&config, "serve2");
+    second.wait_ready(&td.lock_path(), &td.db_path());
+    let adopted = db.wait_event(task, "worker_adopted", SETTLE);
+    assert_eq!(adopted.run_id, spawned.run_id);
+    // Supervised all the same: its task's max runtime ends it.
+    let closed = db.wait_event(task, "run_closed", SETTLE);
+    assert_eq!(closed.payload["outcome"], "timed_out", "{closed:?}");
+    assert!(
+        wait_until(SETTLE, || !worker.alive()),
+        "the adopted worker outlived its max runtime\n{}",
+        db.history(task)
+    );
+    let status = stop_serve(&mut second, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        second.stderr()
+    );
+}

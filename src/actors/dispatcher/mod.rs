@@ -388,35 +388,66 @@ impl DispatcherActor {
         run_id: RunId,
         token: String,
     ) -> Option<(SpawnSpec, ExitPolicy, Option<Duration>)> {
-        let config = &self.config;
         let name = task.assignee.clone().unwrap_or_default();
-        let Some(assignee) = config.assignee(&name) else {
+        let Some(assignee) = self.config.assignee(&name) else {
             // plan_claims only plans known assignees; a config change across a restart can.
             tracing::error!(task_id = task.id, assignee = %name, "dispatch: run of a task with no such assignee");
             return None;
         };
+        Some(self.setup_with(task, run_id, token, Some(assignee)))
+    }
+
+    /// [`Self::worker_setup`] for a live worker of a previous incarnation. Its assignee may have
+    /// left the config since: the worker is then still adopted — watched, ended at its task's
+    /// max runtime or when its run closes — under the default exit policy, rather than left
+    /// running unsupervised.
+    fn adoption_setup(
+        &self,
+        task: &Task,
+        run_id: RunId,
+        token: String,
+    ) -> (SpawnSpec, ExitPolicy, Option<Duration>) {
+        let name = task.assignee.as_deref().unwrap_or_default();
+        let assignee = self.config.assignee(name);
+        if assignee.is_none() {
+            tracing::warn!(task_id = task.id, assignee = %name, "reconcile: adopting a worker whose assignee is no longer configured (default exit policy, the task's own max runtime)");
+        }
+        self.setup_with(task, run_id, token, assignee)
+    }
+
+    fn setup_with(
+        &self,
+        task: &Task,
+        run_id: RunId,
+        token: String,
+        assignee: Option<&crate::config::AssigneeConfig>,
+    ) -> (SpawnSpec, ExitPolicy, Option<Duration>) {
+        let config = &self.config;
         let spec = SpawnSpec {
             run_id,
             task_id: task.id,
             token,
             title: task.title.clone(),
-            argv: assignee.command.clone(),
-            env: assignee.env.clone(),
-            own_cwd: assignee.cwd.is_none(),
+            argv: assignee.map(|a| a.command.clone()).unwrap_or_default(),
+            env: assignee.map(|a| a.env.clone()).unwrap_or_default(),
+            own_cwd: assignee.is_none_or(|a| a.cwd.is_none()),
             cwd: assignee
-                .cwd
-                .clone()
+                .and_then(|a| a.cwd.clone())
                 .unwrap_or_else(|| config.work_dir().join(task.id.to_string())),
             socket: config.socket_path(),
             log_path: config.logs_dir().join(format!("{}.log", task.id)),
             log_max_bytes: config.supervisor.log_max_bytes,
-            uid: assignee.uid,
-            gid: assignee.gid,
-            umask: assignee.umask,
-            rlimits: assignee.rlimits.clone(),
+            uid: assignee.and_then(|a| a.uid),
+            gid: assignee.and_then(|a| a.gid),
+            umask: assignee.and_then(|a| a.umask),
+            rlimits: assignee.map(|a| a.rlimits.clone()).unwrap_or_default(),
         };
-        let max_runtime = effective_max_runtime(task.max_runtime_ms, assignee.max_runtime);
-        Some((spec, ExitPolicy::new(config, assignee), max_runtime))
+        let max_runtime =
+            effective_max_runtime(task.max_runtime_ms, assignee.and_then(|a| a.max_runtime));
+        let policy = assignee
+            .map(|a| ExitPolicy::new(config, a))
+            .unwrap_or_else(|| ExitPolicy::defaults(config));
+        (spec, policy, max_runtime)
     }
 
     fn on_event(&mut self, ev: &Event, ctx: &mut Context<Self>) {

@@ -296,11 +296,8 @@ impl DispatcherActor {
         match verdict {
             Ok((pidfd, fp)) => {
                 self.held.remove(&run_id);
-                let Some((spec, policy, max_runtime)) =
-                    self.worker_setup(&task, run_id, run.token.clone())
-                else {
-                    return;
-                };
+                let (spec, policy, max_runtime) =
+                    self.adoption_setup(&task, run_id, run.token.clone());
                 let worker = WorkerActor::adopt(
                     spec,
                     pidfd,
