@@ -208,7 +208,10 @@ impl Board {
         let tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-        let out = f(&Tx::new(&tx, None))?;
+        let txn = Tx::new(&tx, None);
+        let out = f(&txn)?;
+        // Rolled back early inside `f` (which went on regardless): nothing of it may commit.
+        txn.check_not_ended()?;
         tx.commit()?;
         Ok(out)
     }
@@ -241,6 +244,8 @@ impl Board {
             // savepoint costs a copy of every page the op touches).
             let op = batch.into_iter().next().expect("one op");
             let out = op(&txn);
+            // Rolled back early inside the op (which went on regardless): nothing of it stands.
+            txn.check_not_ended()?;
             if out.is_err() {
                 drop(tx);
                 return Ok(Committed {
@@ -252,13 +257,13 @@ impl Board {
         } else {
             for op in batch {
                 let out = txn.nested(op);
-                if tx.is_autocommit() {
-                    // The error rolled back the whole transaction (SQLite does that for some,
-                    // e.g. a full disk): nothing of the batch stands, and no later op may run
-                    // outside a transaction, each of its statements committing on its own.
-                    return Err(out.err().unwrap_or_else(|| {
-                        BoardError::Invalid("the batch's transaction ended early".into())
-                    }));
+                if let Some(by) = txn.ended.get() {
+                    // An error rolled back the whole transaction (SQLite does that for some,
+                    // e.g. a full disk) — in this op's savepoint, or one nested in it: nothing
+                    // of the batch stands, and no later op may run. The error names the cause
+                    // (the op's own may be a follow-up, or none if it went on regardless).
+                    drop(out);
+                    return Err(by.error());
                 }
                 results.push(out);
             }
@@ -302,21 +307,66 @@ pub struct Tx<'a> {
     conn: &'a Connection,
     /// Events appended in this transaction, when the caller wants them (group commit).
     appended: Option<&'a RefCell<Vec<Event>>>,
+    /// An error inside a savepoint rolled the whole transaction back (see [`Tx::nested`]):
+    /// whatever else ran in it is rolled back too, whatever its callers make of that error.
+    ended: std::cell::Cell<Option<EndedBy>>,
+}
+
+/// What ended a transaction early: the SQLite error code, when it was one.
+#[derive(Debug, Clone, Copy)]
+struct EndedBy(Option<rusqlite::ffi::Error>);
+
+impl EndedBy {
+    fn error(self) -> BoardError {
+        let code = self
+            .0
+            .unwrap_or_else(|| rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ABORT));
+        BoardError::Sqlite(rusqlite::Error::SqliteFailure(
+            code,
+            Some(
+                "the transaction was rolled back by an error inside it; nothing of it was written"
+                    .into(),
+            ),
+        ))
+    }
 }
 
 impl<'a> Tx<'a> {
     fn new(conn: &'a Connection, appended: Option<&'a RefCell<Vec<Event>>>) -> Self {
-        Tx { conn, appended }
+        Tx {
+            conn,
+            appended,
+            ended: std::cell::Cell::new(None),
+        }
+    }
+
+    /// `Err` once the transaction was rolled back early (see [`Tx::nested`]): its writer must
+    /// roll back whatever ran after, not commit it.
+    fn check_not_ended(&self) -> Result<()> {
+        match self.ended.get() {
+            Some(by) => Err(by.error()),
+            None => Ok(()),
+        }
     }
 
     /// Runs `f` in a nested savepoint: if it fails, only its own writes are undone and the
     /// enclosing transaction goes on (e.g. one refused claim in a dispatch pass).
     pub fn nested<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
+        self.check_not_ended()?;
         // Prepared once per connection: parsing "SAVEPOINT …" for every op of every batch was
         // a visible share of the writer's time.
         self.conn.prepare_cached("SAVEPOINT nested")?.execute([])?;
         let mark = self.appended.map(|a| a.borrow().len());
-        match f(self) {
+        let out = f(self);
+        // A savepoint nested in `f` found the whole transaction rolled back: this one is gone
+        // with it (nothing to release or roll back to).
+        if let Some(by) = self.ended.get() {
+            if let (Some(a), Some(mark)) = (self.appended, mark) {
+                a.borrow_mut().truncate(mark);
+            }
+            return Err(out.err().unwrap_or_else(|| by.error()));
+        }
+        match out {
             Ok(v) => {
                 self.conn.prepare_cached("RELEASE nested")?.execute([])?;
                 Ok(v)
@@ -329,7 +379,16 @@ impl<'a> Tx<'a> {
                 }
                 if self.conn.is_autocommit() {
                     // The error rolled back the whole transaction, savepoints included (SQLite
-                    // does that on a full disk): report the error itself.
+                    // does that on a full disk): report the error itself. A caller that goes on
+                    // regardless (one refused claim in a pass is not the pass's failure) must
+                    // not have its next statements commit one by one, outside any transaction:
+                    // they run in a fresh one that the writer rolls back, seeing `ended`.
+                    let code = match &e {
+                        BoardError::Sqlite(rusqlite::Error::SqliteFailure(code, _)) => Some(*code),
+                        _ => None,
+                    };
+                    self.ended.set(Some(EndedBy(code)));
+                    self.conn.execute_batch("BEGIN")?;
                     return Err(e);
                 }
                 self.conn
@@ -339,5 +398,83 @@ impl<'a> Tx<'a> {
                 Err(e)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A board that has room for only a few more pages.
+    fn nearly_full() -> (tempfile::TempDir, Board) {
+        let dir = tempfile::tempdir().unwrap();
+        let board = Board::open(&dir.path().join("board.db")).unwrap();
+        let pages: i64 = board
+            .conn
+            .query_row("PRAGMA page_count", [], |r| r.get(0))
+            .unwrap();
+        let _: i64 = board
+            .conn
+            .query_row(&format!("PRAGMA max_page_count = {}", pages + 3), [], |r| {
+                r.get(0)
+            })
+            .unwrap();
+        (dir, board)
+    }
+
+    fn big_task() -> NewTask {
+        let mut new = NewTask::titled("big");
+        new.body = "x".repeat(1 << 20);
+        new
+    }
+
+    fn titles(board: &mut Board) -> Vec<String> {
+        board
+            .read(|tx| tx.list_tasks(&Default::default()))
+            .unwrap()
+            .into_iter()
+            .map(|t| t.title)
+            .collect()
+    }
+
+    fn is_disk_full(e: &BoardError) -> bool {
+        matches!(e, BoardError::Sqlite(rusqlite::Error::SqliteFailure(code, _))
+            if code.code == rusqlite::ErrorCode::DiskFull)
+    }
+
+    #[test]
+    fn a_full_disk_inside_a_swallowed_savepoint_leaves_nothing_of_the_transaction() {
+        let (_dir, mut board) = nearly_full();
+        // One op goes on after its nested write failed on the full disk (as a dispatch pass
+        // does after one refused claim); another op follows in the same batch.
+        let res = board.write_batch(vec![
+            Box::new(|tx: &Tx<'_>| {
+                let _ = tx.nested(|tx| tx.create_task(&big_task(), 1));
+                tx.create_task(&NewTask::titled("after"), 1).map(|_| ())
+            }) as BatchOp<'_, ()>,
+            Box::new(|tx: &Tx<'_>| tx.create_task(&NewTask::titled("next op"), 1).map(|_| ())),
+        ]);
+        let err = res.expect_err("the batch was rolled back");
+        assert!(is_disk_full(&err), "{err:?}");
+        assert_eq!(titles(&mut board), Vec::<String>::new());
+
+        // The same for a lone op and for a plain write.
+        let res = board.write_batch(vec![Box::new(|tx: &Tx<'_>| {
+            let _ = tx.nested(|tx| tx.create_task(&big_task(), 1));
+            tx.create_task(&NewTask::titled("after"), 1).map(|_| ())
+        }) as BatchOp<'_, ()>]);
+        assert!(is_disk_full(&res.expect_err("rolled back")));
+        let res = board.write(|tx| {
+            let _ = tx.nested(|tx| tx.create_task(&big_task(), 1));
+            tx.create_task(&NewTask::titled("after"), 1)
+        });
+        assert!(is_disk_full(&res.expect_err("rolled back")));
+        assert_eq!(titles(&mut board), Vec::<String>::new());
+
+        // Small writes still fit, and commit.
+        board
+            .write(|tx| tx.create_task(&NewTask::titled("fits"), 1))
+            .unwrap();
+        assert_eq!(titles(&mut board), ["fits"]);
     }
 }
