@@ -1,7 +1,7 @@
 //! The retention sweep: finished tasks past their keep time leave the board with everything
 //! that hangs off them.
 
-use rusqlite::params;
+use rusqlite::{OptionalExtension, params};
 use serde_json::json;
 
 use super::types::{Millis, TaskId};
@@ -88,6 +88,31 @@ impl Tx<'_> {
                 stmt.execute([id])?;
             }
         }
+        Ok(ids)
+    }
+
+    /// The tasks the newest `pruned` event names: the sweep whose file removal a crash may
+    /// have cut short (sweeps run one after another, each removing its files before the next
+    /// starts). Through `events_task`: `pruned` events are among the few without a task.
+    pub fn last_pruned(&self) -> Result<Vec<TaskId>> {
+        let payload: Option<String> = self
+            .conn
+            .prepare_cached(
+                "SELECT payload FROM task_events WHERE task_id IS NULL AND kind = 'pruned' \
+                 ORDER BY id DESC LIMIT 1",
+            )?
+            .query_row([], |r| r.get(0))
+            .optional()?;
+        let ids = payload
+            .and_then(|p| serde_json::from_str::<serde_json::Value>(&p).ok())
+            .and_then(|p| {
+                p.get("tasks")?
+                    .as_array()?
+                    .iter()
+                    .map(|v| v.as_i64())
+                    .collect::<Option<Vec<TaskId>>>()
+            })
+            .unwrap_or_default();
         Ok(ids)
     }
 }

@@ -22,12 +22,17 @@ const BATCH_ROWS: u64 = 20_000;
 #[derive(Debug, Default)]
 pub(super) struct Retention {
     running: Arc<AtomicBool>,
+    /// The files of the last sweep before this incarnation have been seen to.
+    recovered: AtomicBool,
 }
 
 impl Retention {
     /// Starts a sweep deleting what finished more than `[retention] finished` ago, unless
     /// that is zero (keep for ever) or the previous sweep is still running.
     pub(super) fn sweep(&self, config: &Config, store: &Store) {
+        if !self.recovered.swap(true, Ordering::AcqRel) {
+            recover(config, store);
+        }
         let keep = config.retention.finished;
         if keep.is_zero() || self.running.swap(true, Ordering::AcqRel) {
             return;
@@ -57,6 +62,25 @@ impl Retention {
             }
         });
     }
+}
+
+/// Rows are deleted (committed) before their files: a supervisor stopped in between (killed,
+/// the machine down) leaves that sweep's files behind for good — ids are never handed out
+/// twice, so nothing would ever come back for them. The first tick of the next incarnation
+/// removes the files of the newest `pruned` event again (what is already gone is fine).
+fn recover(config: &Config, store: &Store) {
+    let (logs, work) = (config.logs_dir(), config.work_dir());
+    let store = store.clone();
+    actix_rt::spawn(async move {
+        match store.read(|tx| tx.last_pruned()).await {
+            Ok(ids) if ids.is_empty() => {}
+            Ok(ids) => {
+                let _ =
+                    actix_rt::task::spawn_blocking(move || remove_files(&ids, &logs, &work)).await;
+            }
+            Err(e) => tracing::warn!(error = %e, "retention: cannot read the last sweep"),
+        }
+    });
 }
 
 /// Removes the log files (current and rotated) and the default work directory of each task.
