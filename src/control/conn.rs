@@ -109,7 +109,10 @@ pub(super) async fn serve(
                 && let Some((id, req)) = held.take()
             {
                 exclusive = waits_for_user_name(&req);
-                window.push_back(start_held(&shared, &session, id, req, streams.len()));
+                // A stream that has ended but is not collected yet (the loop below does that)
+                // no longer counts against the limit.
+                let open = streams.iter().filter(|s| !s.is_finished()).count();
+                window.push_back(start_held(&shared, &session, id, req, open));
             }
         }
         // After EOF the connection lives on while streams are open: a client that shut down
