@@ -89,14 +89,19 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
         (config.logs_dir(), Some(0o700)),
         (config.work_dir(), Some(0o711)),
     ] {
-        let dir_err = |source| SupervisorError::Dir {
+        std::fs::create_dir_all(&dir).map_err(|source| SupervisorError::Dir {
             path: dir.clone(),
             source,
-        };
-        std::fs::create_dir_all(&dir).map_err(dir_err)?;
-        if let Some(mode) = mode {
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
-                .map_err(dir_err)?;
+        })?;
+        let Some(mode) = mode else { continue };
+        let current = std::fs::metadata(&dir).map(|m| m.permissions().mode() & 0o7777);
+        if current.is_ok_and(|m| m == mode) {
+            continue;
+        }
+        // A directory someone else prepared (and owns) may refuse the change: that is theirs
+        // to decide, not a reason to refuse to start.
+        if let Err(e) = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)) {
+            tracing::warn!(path = %dir.display(), mode = format!("{mode:o}"), error = %e, "cannot chmod a data directory; left as it is");
         }
     }
     Ok(())

@@ -112,11 +112,17 @@ fn a_traversable_data_dir_still_hides_logs_and_work_dirs_from_other_users() {
         ),
     );
     chmod(d.dir.path(), 0o755);
+    // The first task's directory as an older build left it: open to all, with a file in it.
+    let old = d.data_dir.join("work").join("1");
+    std::fs::create_dir_all(&old).unwrap();
+    chmod(&old, 0o755);
+    std::fs::write(old.join("old-note"), "old").unwrap();
     let id = d
         .client()
         .add_task(&NewTask::titled("t").for_assignee("w"))
         .unwrap()
         .id;
+    assert_eq!(id, 1);
     let log = d.data_dir.join("logs").join(format!("{id}.log"));
     let work = d.data_dir.join("work").join(id.to_string());
     assert!(wait_until(SETTLE, || std::fs::read_to_string(&log)
@@ -136,8 +142,9 @@ fn a_traversable_data_dir_still_hides_logs_and_work_dirs_from_other_users() {
     let mut cmd = Command::new("sh");
     cmd.arg("-c")
         .arg(format!(
-            "cat {} {}/note; ls {} {}",
+            "cat {} {}/note {}/old-note; ls {} {}",
             log.display(),
+            work.display(),
             work.display(),
             d.data_dir.join("logs").display(),
             work.display()
@@ -411,4 +418,75 @@ fn a_token_acts_on_its_own_run_only_and_not_after_a_reclaim() {
         })
         .unwrap();
     assert_eq!(t.status, TaskStatus::Blocked);
+}
+
+#[test]
+fn a_data_dir_prepared_by_someone_else_is_used_as_its_modes_are() {
+    // The supervisor runs as `nobody` on a data dir it owns, whose `logs/` someone else (root)
+    // prepared writable for it: it cannot change that directory's mode, and starts anyway.
+    let (_bin_dir, binary) = binary_for_nobody();
+    let dir = tempfile::tempdir().unwrap();
+    chmod(dir.path(), 0o755);
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(data.join("logs")).unwrap();
+    std::os::unix::fs::chown(&data, Some(NOBODY), Some(NOBODY)).unwrap();
+    chmod(&data.join("logs"), 0o1777);
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[supervisor]\ndata_dir = {:?}\ntick = \"100ms\"\nshutdown = \"terminate\"\n\n\
+             [assignees.w]\ncommand = [\"true\"]\n",
+            data.display().to_string()
+        ),
+    )
+    .unwrap();
+    let stderr = dir.path().join("serve.stderr");
+    let mut cmd = Command::new(&binary);
+    scrub_env(&mut cmd);
+    cmd.arg("--config")
+        .arg(&config)
+        .arg("serve")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .env("RUNWARDEN_LOG", "info")
+        .process_group(0)
+        .uid(NOBODY)
+        .gid(NOBODY);
+    let mut serve = common::proc_guard::ChildGuard::spawn(&mut cmd).unwrap();
+    let socket = runwarden::config::Config::load(&config)
+        .unwrap()
+        .socket_path();
+    let log = || std::fs::read_to_string(&stderr).unwrap_or_default();
+    let mut client = None;
+    assert!(
+        wait_until(SETTLE, || {
+            client = runwarden::control::client::Client::connect(&socket)
+                .ok()
+                .filter(|_| serve.try_wait().ok().flatten().is_none());
+            client.as_mut().is_some_and(|c| c.hello().is_ok())
+        }),
+        "serve did not start: {:?}\n{}",
+        serve.try_wait(),
+        log()
+    );
+    let mut client = client.unwrap();
+    let id = client
+        .add_task(&NewTask::titled("t").for_assignee("w"))
+        .unwrap()
+        .id;
+    assert!(
+        wait_until(SETTLE, || client
+            .show_task(id, None)
+            .is_ok_and(|t| t.task.status == TaskStatus::Done)),
+        "the task never ran\n{}",
+        log()
+    );
+    assert!(log().contains("cannot chmod a data directory"), "{}", log());
+    let _ = client.shutdown();
+    assert!(
+        wait_until(SETTLE, || serve.try_wait().ok().flatten().is_some()),
+        "serve did not stop"
+    );
 }

@@ -358,20 +358,32 @@ pub fn find_in_path(program: &str, path: Option<&std::ffi::OsStr>, cwd: &Path) -
 }
 
 /// Creates `dir` (mode 0700: a task's work is its worker's business, and the data dir may be
-/// traversable by others when the socket serves them) — its parents as they come — or leaves an
-/// existing one as it is (a retry works where the first attempt did).
+/// traversable by others when the socket serves them) — its parents as they come. An existing
+/// one (a retry works where the first attempt did) is made 0700 if it is open to others (made
+/// by an older build); should that be refused, it is used as it is.
 fn create_private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let create = || fs::DirBuilder::new().mode(0o700).create(dir);
+    let existing = || {
+        if let Ok(meta) = fs::metadata(dir)
+            && meta.permissions().mode() & 0o077 != 0
+            && let Err(e) = fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        {
+            tracing::warn!(path = %dir.display(), error = %e, "cannot make a task's directory private");
+        }
+        Ok(())
+    };
     match create() {
         Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => existing(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if let Some(parent) = dir.parent() {
                 fs::create_dir_all(parent)?;
             }
             match create() {
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {
+                    existing()
+                }
                 other => other,
             }
         }

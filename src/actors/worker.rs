@@ -46,8 +46,9 @@ const EXIT_RECORD_RETRIES: u32 = 5;
 
 /// Up to this age a leader's escaped descendants are looked for among the pids handed out
 /// since its own (see `descendants::carrier_among_recent`); an older one's exit scans /proc.
-/// Far below the time the pid numbering takes to come round even on a busy machine.
-const RECENT_PROBE_MAX_AGE: Duration = Duration::from_secs(1);
+/// Far below the time the pid numbering takes to come round (with the smallest usual pid_max,
+/// 32 768, that would take over 130 000 forks a second).
+const RECENT_PROBE_MAX_AGE: Duration = Duration::from_millis(250);
 
 /// Borrowed view of the pidfd for tokio's reactor.
 struct Watch(Arc<PidFd>);
@@ -294,25 +295,25 @@ impl WorkerActor {
         if pidfd.group_exists().unwrap_or(true) {
             return self.record_exit_probed(pidfd, status, true, ctx);
         }
-        // Escapees of a young worker of ours are among the few pids handed out since its start:
-        // probed here (most are gone or are other workers). Any other — an older worker, one
-        // adopted from a previous incarnation (whose escapees went to init, not to us) — means
-        // a scan of /proc for the token, on the blocking pool.
+        // Escapees of a young worker of ours are among the few pids handed out since its start;
+        // any other — an older worker, one adopted from a previous incarnation (whose escapees
+        // went to init, not to us) — takes a scan of /proc for the token. Either reads other
+        // processes' /proc files, which can block (a process stuck on a hung file system), so
+        // never on this thread.
         let young = self
             .spawned_at
             .is_some_and(|t| t.elapsed() < RECENT_PROBE_MAX_AGE);
-        let recent = young
-            .then(|| descendants::carrier_among_recent(pidfd.pid(), &self.spec.token))
-            .flatten();
-        if let Some(escaped) = recent {
-            return self.record_exit_probed(pidfd, status, escaped, ctx);
-        }
-        let token = self.spec.token.clone();
+        let (token, leader) = (self.spec.token.clone(), pidfd.pid());
         async move {
-            actix_rt::task::spawn_blocking(move || !descendants::find_by_token(&token).is_empty())
-                .await
-                // A probe that died proves nothing: keep the evidence and end the tree.
-                .unwrap_or(true)
+            actix_rt::task::spawn_blocking(move || {
+                young
+                    .then(|| descendants::carrier_among_recent(leader, &token))
+                    .flatten()
+                    .unwrap_or_else(|| !descendants::find_by_token(&token).is_empty())
+            })
+            .await
+            // A probe that died proves nothing: keep the evidence and end the tree.
+            .unwrap_or(true)
         }
         .into_actor(self)
         .map(move |escaped, act, ctx| act.record_exit_probed(pidfd, status, escaped, ctx))

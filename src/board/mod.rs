@@ -212,6 +212,9 @@ impl Board {
         let out = f(&txn)?;
         // Rolled back early inside `f` (which went on regardless): nothing of it may commit.
         txn.check_not_ended()?;
+        if tx.is_autocommit() {
+            return Err(EndedBy(None).error());
+        }
         tx.commit()?;
         Ok(out)
     }
@@ -246,6 +249,9 @@ impl Board {
             let out = op(&txn);
             // Rolled back early inside the op (which went on regardless): nothing of it stands.
             txn.check_not_ended()?;
+            if tx.is_autocommit() {
+                return Err(out.err().unwrap_or_else(|| EndedBy(None).error()));
+            }
             if out.is_err() {
                 drop(tx);
                 return Ok(Committed {
@@ -358,8 +364,21 @@ impl<'a> Tx<'a> {
         self.conn.prepare_cached("SAVEPOINT nested")?.execute([])?;
         let mark = self.appended.map(|a| a.borrow().len());
         let out = f(self);
-        // A savepoint nested in `f` found the whole transaction rolled back: this one is gone
-        // with it (nothing to release or roll back to).
+        if self.ended.get().is_none() && self.conn.is_autocommit() {
+            // An error in `f` rolled back the whole transaction, savepoints included (SQLite
+            // does that on a full disk). A caller that goes on regardless (one refused claim in
+            // a pass is not the pass's failure) must not have its next statements commit one
+            // by one, outside any transaction: they run in a fresh one that the writer rolls
+            // back, seeing `ended`.
+            let code = match &out {
+                Err(BoardError::Sqlite(rusqlite::Error::SqliteFailure(code, _))) => Some(*code),
+                _ => None,
+            };
+            self.ended.set(Some(EndedBy(code)));
+            self.conn.execute_batch("BEGIN")?;
+        }
+        // Rolled back early, in `f` or in a savepoint nested in it: this savepoint is gone with
+        // the transaction (nothing to release or roll back to).
         if let Some(by) = self.ended.get() {
             if let (Some(a), Some(mark)) = (self.appended, mark) {
                 a.borrow_mut().truncate(mark);
@@ -376,20 +395,6 @@ impl<'a> Tx<'a> {
                 // published.
                 if let (Some(a), Some(mark)) = (self.appended, mark) {
                     a.borrow_mut().truncate(mark);
-                }
-                if self.conn.is_autocommit() {
-                    // The error rolled back the whole transaction, savepoints included (SQLite
-                    // does that on a full disk): report the error itself. A caller that goes on
-                    // regardless (one refused claim in a pass is not the pass's failure) must
-                    // not have its next statements commit one by one, outside any transaction:
-                    // they run in a fresh one that the writer rolls back, seeing `ended`.
-                    let code = match &e {
-                        BoardError::Sqlite(rusqlite::Error::SqliteFailure(code, _)) => Some(*code),
-                        _ => None,
-                    };
-                    self.ended.set(Some(EndedBy(code)));
-                    self.conn.execute_batch("BEGIN")?;
-                    return Err(e);
                 }
                 self.conn
                     .prepare_cached("ROLLBACK TO nested")?
@@ -469,6 +474,18 @@ mod tests {
             tx.create_task(&NewTask::titled("after"), 1)
         });
         assert!(is_disk_full(&res.expect_err("rolled back")));
+        assert_eq!(titles(&mut board), Vec::<String>::new());
+
+        // An op that swallows the error of a plain statement (no savepoint of its own): the
+        // next op never runs outside a transaction.
+        let res = board.write_batch(vec![
+            Box::new(|tx: &Tx<'_>| {
+                let _ = tx.create_task(&big_task(), 1);
+                Ok(())
+            }) as BatchOp<'_, ()>,
+            Box::new(|tx: &Tx<'_>| tx.create_task(&NewTask::titled("next op"), 1).map(|_| ())),
+        ]);
+        assert!(res.is_err(), "{:?}", res.map(|c| c.results.len()));
         assert_eq!(titles(&mut board), Vec::<String>::new());
 
         // Small writes still fit, and commit.

@@ -71,50 +71,63 @@ const RECENT_PROBE_LIMIT: usize = 128;
 /// Whether a process carrying `token` exists among the pids handed out after `leader`'s, up
 /// to the most recent one — `None` when that cannot be told cheaply (more than
 /// [`RECENT_PROBE_LIMIT`] pids, or ns_last_pid or pid_max unreadable): the caller then scans
-/// with [`find_by_token`].
+/// with [`find_by_token`]. Blocking (reads /proc): off the actor threads.
 ///
 /// For a run whose leader started moments ago: every descendant of it was started after it,
 /// and pids are handed out in increasing order, wrapping at `pid_max` to 300 — so its
 /// descendants are among these pids unless the numbering has come round past the leader (the
 /// caller keeps this to young leaders). Pids of our registered children (other workers) are
-/// skipped without a syscall, and most of the rest with one (see [`kin`]).
+/// skipped without a syscall, and most of the rest with one (see [`kin`]). A carrier may fork
+/// while the pids are walked (a double fork, a process that keeps moving to a new pid): the
+/// walk goes on over the pids handed out meanwhile until none was.
 pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
     /// Where the numbering restarts after a wrap (the kernel's RESERVED_PIDS).
     const FIRST_AFTER_WRAP: Pid = 300;
-    let last = last_pid()?;
-    // pid_max only matters when the numbering wrapped since the leader's start.
-    let max = if last < leader { pid_max()? } else { Pid::MAX };
     let needle = needle(token);
+    let mut last = last_pid()?;
+    // Read when the walk must wrap to reach `last`.
+    let mut max: Option<Pid> = None;
     let mut pid = leader;
     let mut probed = 0;
-    while pid != last {
-        pid = if pid + 1 >= max {
-            FIRST_AFTER_WRAP
-        } else {
-            pid + 1
-        };
-        probed += 1;
-        if pid == leader || probed > RECENT_PROBE_LIMIT {
-            return None;
+    loop {
+        while pid != last {
+            pid = if last < pid {
+                let max = match max {
+                    Some(m) => m,
+                    None => *max.insert(pid_max()?),
+                };
+                if pid + 1 >= max {
+                    FIRST_AFTER_WRAP
+                } else {
+                    pid + 1
+                }
+            } else {
+                pid + 1
+            };
+            probed += 1;
+            if pid == leader || probed > RECENT_PROBE_LIMIT {
+                return None;
+            }
+            if super::owned::is_registered(pid) {
+                continue;
+            }
+            match kin(pid) {
+                Kin::Gone | Kin::SharesOurMemory => {}
+                Kin::Other if carries(pid, &needle) => return Some(true),
+                Kin::Other => {}
+                Kin::Unknown => match super::PidFd::open(pid) {
+                    Ok(_) if carries(pid, &needle) => return Some(true),
+                    Ok(_) | Err(super::ProcessError::NoSuchProcess { .. }) => {}
+                    // Out of fds, say: nothing told about this pid; the caller scans instead.
+                    Err(_) => return None,
+                },
+            }
         }
-        // pidfd_open first: it fails in a fraction of a microsecond for a pid that is gone
-        // (most of them) or names a thread, where opening a /proc path costs several.
-        if super::owned::is_registered(pid) {
-            continue;
-        }
-        match kin(pid) {
-            Kin::Gone | Kin::SharesOurMemory => {}
-            Kin::Other if carries(pid, &needle) => return Some(true),
-            Kin::Other => {}
-            Kin::Unknown => match super::PidFd::open(pid) {
-                Ok(_) if carries(pid, &needle) => return Some(true),
-                Ok(_) | Err(super::ProcessError::NoSuchProcess { .. }) => {}
-                // Out of fds, say: nothing told about this pid; the caller scans instead.
-                Err(_) => return None,
-            },
+        match last_pid()? {
+            now if now == last => return Some(false),
+            now => last = now,
         }
     }
-    Some(false)
 }
 
 /// What one syscall tells about a pid, before any /proc read (see [`kin`]).
