@@ -157,6 +157,17 @@ fn a_traversable_data_dir_still_hides_logs_and_work_dirs_from_other_users() {
         !out.status.success() && stdout.trim().is_empty(),
         "uid {NOBODY} read the supervisor's files: {stdout}"
     );
+
+    // An operator it serves (allowed_uids) reads the log through the socket instead.
+    let (_bin_dir, binary) = binary_for_nobody();
+    let mut cmd = Command::new(&binary);
+    scrub_env(&mut cmd);
+    cmd.args(["logs", &id.to_string(), "--socket"])
+        .arg(&d.socket)
+        .uid(NOBODY)
+        .gid(NOBODY);
+    let out = ok(&run(cmd));
+    assert_eq!(out, "SECRET-LINE\n");
 }
 
 /// A process of `nobody` holding `n` connections to `socket` open (connected, silent) until it

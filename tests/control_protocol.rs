@@ -399,3 +399,55 @@ fn a_task_added_over_the_socket_is_run_and_its_reply_means_committed() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn read_log_gives_a_log_in_pieces_and_says_when_it_was_rotated() {
+    let d = Daemon::start(
+        "",
+        "[assignees.w]\ncommand = [\"sh\", \"-c\", \"printf 'héllo world\\\\n'\"]\n",
+    );
+    let mut c = d.raw();
+    c.hello();
+    let id = c.call(r#"{"id":1,"op":"add_task","title":"t","assignee":"w"}"#)["result"]["id"]
+        .as_i64()
+        .unwrap();
+    let log = d.data_dir.join("logs").join(format!("{id}.log"));
+    let written = "héllo world\n";
+    assert!(
+        common::proc_guard::wait_until(SETTLE, || std::fs::read_to_string(&log)
+            .is_ok_and(|s| s == written)),
+        "the worker's log never had its line"
+    );
+    let size = written.len() as u64;
+
+    // The whole log; then in pieces of 2 bytes, never cutting the 'é' (two bytes) in half.
+    let r = c.call(&format!(r#"{{"id":2,"op":"read_log","task":{id}}}"#));
+    assert_eq!(
+        r["result"],
+        serde_json::json!({"offset": 0, "next": size, "size": size, "data": written}),
+        "{r}"
+    );
+    let mut text = String::new();
+    let mut offset = 0;
+    while offset < size {
+        let r = c.call(&format!(
+            r#"{{"id":3,"op":"read_log","task":{id},"offset":{offset},"max_bytes":2}}"#
+        ));
+        text.push_str(r["result"]["data"].as_str().unwrap());
+        let next = r["result"]["next"].as_u64().unwrap();
+        assert!(next > offset, "{r}");
+        offset = next;
+    }
+    assert_eq!(text, written);
+
+    // Past the end (the log was rotated, say): nothing, and the size to start again from.
+    let r = c.call(&format!(
+        r#"{{"id":4,"op":"read_log","task":{id},"offset":{}}}"#,
+        size + 100
+    ));
+    assert_eq!(r["result"]["data"], "", "{r}");
+    assert_eq!(r["result"]["size"], size, "{r}");
+    // No log: not_found.
+    let r = c.call(r#"{"id":5,"op":"read_log","task":999}"#);
+    assert_eq!(error_code(&r), "not_found", "{r}");
+}

@@ -428,19 +428,32 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
     open().map_err(|e| format!("cannot open log file {}: {e}", path.display()))
 }
 
-/// Copy-then-truncate rotation, keeping one backup (`<name>.1`). Copying (rather than
-/// renaming) keeps working while a worker holds the file open in append mode: its next write
-/// lands at the new end of the truncated file. Lines written between copy and truncate are
-/// lost; that is the documented price of never interrupting the worker.
+/// Copy-then-truncate rotation, keeping one backup (`<name>.1`) of the log's last `max_bytes`
+/// (a worker may have written far more since the last rotation: the backup stays bounded).
+/// Copying (rather than renaming) keeps working while a worker holds the file open in append
+/// mode: its next write lands at the new end of the truncated file. Lines written between copy
+/// and truncate are lost; that is the documented price of never interrupting the worker.
 pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     let Ok(meta) = fs::metadata(path) else { return };
     if meta.len() < max_bytes {
         return;
     }
     let backup = backup_path(path);
-    if let Err(e) =
-        fs::copy(path, &backup).and_then(|_| OpenOptions::new().write(true).open(path)?.set_len(0))
-    {
+    let copy_tail = || -> std::io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut src = File::open(path)?;
+        let len = src.metadata()?.len();
+        src.seek(SeekFrom::Start(len.saturating_sub(max_bytes)))?;
+        let mut dst = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&backup)?;
+        std::io::copy(&mut src.take(max_bytes), &mut dst)?;
+        OpenOptions::new().write(true).open(path)?.set_len(0)
+    };
+    if let Err(e) = copy_tail() {
         tracing::warn!(path = %path.display(), error = %e, "log rotation failed");
     }
 }
@@ -450,6 +463,33 @@ pub fn backup_path(path: &Path) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(".1");
     PathBuf::from(name)
+}
+
+/// Up to `max` bytes of a log file from `offset`, and the file's size: `Ok(None)` when there is
+/// no log. Opened as [`log_tail`] opens it (never waits on a FIFO or the like). Blocking: off
+/// the actor threads.
+pub fn read_log(path: &Path, offset: u64, max: u64) -> std::io::Result<Option<(Vec<u8>, u64)>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    let size = meta.len();
+    let mut data = Vec::new();
+    if offset < size {
+        f.seek(SeekFrom::Start(offset))?;
+        f.take(max.min(size - offset)).read_to_end(&mut data)?;
+    }
+    Ok(Some((data, size)))
 }
 
 /// The last `n` bytes of a log file (lossy UTF-8), for a crash's error text. Called on the

@@ -13,6 +13,7 @@ use super::tasks::event_detail;
 use super::{Cli, CliError, EXIT_FAILURE, EXIT_TIMEOUT, connect, load_config};
 use crate::board::{Event, EventId, TaskId, TaskStatus};
 use crate::control::client::ClientError;
+use crate::control::protocol::code;
 
 /// How often `logs --follow` looks for new output.
 const LOG_POLL: Duration = Duration::from_millis(200);
@@ -100,7 +101,8 @@ fn kind_colour(kind: &str) -> Option<&'static str> {
 
 /// Prints `<data_dir>/logs/<id>.log`, read straight from the file. With `--config` (or the
 /// default config) no supervisor is needed; with only a socket, the supervisor on it is asked
-/// where its logs are.
+/// where its logs are. An operator who may not read the file (the logs directory is the
+/// supervisor's alone: another uid in `allowed_uids`) gets it through the socket instead.
 pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
     let _ = out;
     let by_socket = cli.config.is_none()
@@ -116,6 +118,9 @@ pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
         load_config(cli)?.logs_dir()
     };
     let path = logs_dir.join(format!("{}.log", args.id));
+    if File::open(&path).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
+        return logs_by_socket(cli, args);
+    }
     if !args.follow {
         let mut file = File::open(&path).map_err(|e| {
             CliError::failure(format!(
@@ -127,6 +132,61 @@ pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
         return copy_to_stdout(&mut file).map(|_| ());
     }
     follow_file(&path)
+}
+
+/// The log through the supervisor (`read_log`), a piece at a time; with `--follow`, polled for
+/// more, starting over when it was rotated.
+fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
+    let mut client = connect(cli)?;
+    let mut offset = 0u64;
+    let mut waiting_noted = false;
+    loop {
+        let piece = match client.read_log(args.id, offset, None) {
+            Ok(piece) => piece,
+            Err(e) if args.follow && e.code() == Some(code::NOT_FOUND) => {
+                if !waiting_noted {
+                    eprintln!("runwarden: task {} has no log yet; waiting", args.id);
+                    waiting_noted = true;
+                }
+                std::thread::sleep(LOG_POLL);
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if piece.offset > piece.size {
+            if !args.follow {
+                return Ok(());
+            }
+            eprintln!(
+                "runwarden: the log of task {} was rotated; following from its start",
+                args.id
+            );
+            offset = 0;
+            continue;
+        }
+        write_stdout(piece.data.as_bytes())?;
+        offset = piece.next;
+        if offset >= piece.size {
+            if !args.follow {
+                return Ok(());
+            }
+            std::thread::sleep(LOG_POLL);
+        }
+    }
+}
+
+fn write_stdout(bytes: &[u8]) -> Result<(), CliError> {
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_all(bytes)
+        .and_then(|_| stdout.flush())
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                CliError::quiet()
+            } else {
+                CliError::failure(format!("cannot write to stdout: {e}"))
+            }
+        })
 }
 
 /// Copies what is left of `file` to stdout; returns the number of bytes copied.

@@ -113,7 +113,8 @@ pub struct SupervisorConfig {
     pub shutdown: ShutdownMode,
     /// SQLite `PRAGMA synchronous`.
     pub synchronous: Synchronous,
-    /// Size at which a task's log file is rotated (one backup kept). Default 10 MiB; at least 1024.
+    /// Size at which a task's log file is rotated, checked at each start and tick (one backup
+    /// of its last `log_max_bytes` kept). Default 10 MiB; at least 1024.
     pub log_max_bytes: u64,
     /// Become a child subreaper (default true): workers' escaped descendants re-parent to the
     /// supervisor, which ends them with their run and reaps their zombies. An embedding

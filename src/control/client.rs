@@ -27,9 +27,9 @@ use serde::de::DeserializeOwned;
 
 use super::protocol::{
     Block, CommentReply, CommentReq, Complete, Empty, ErrorBody, Events, EventsReply, FollowReply,
-    Heartbeat, HeartbeatReply, Hello, HelloReply, Link, LinkReply, PROTOCOL_VERSION, ReapReply,
-    Reclaim, Request, RequestId, Response, ShowTask, ShutdownReply, StatusReply, TaskRef,
-    TaskReply, TasksReply,
+    Heartbeat, HeartbeatReply, Hello, HelloReply, Link, LinkReply, PROTOCOL_VERSION, ReadLog,
+    ReadLogReply, ReapReply, Reclaim, Request, RequestId, Response, ShowTask, ShutdownReply,
+    StatusReply, TaskRef, TaskReply, TasksReply,
 };
 use crate::board::{Created, Event, EventId, NewTask, Task, TaskDetail, TaskFilter, TaskId};
 
@@ -384,6 +384,20 @@ impl Client {
     /// The supervisor's state.
     pub fn status(&mut self) -> Result<StatusReply, ClientError> {
         self.call(&Request::Status(Empty {}))
+    }
+
+    /// A piece of task `task`'s log (see [`ReadLog`]).
+    pub fn read_log(
+        &mut self,
+        task: TaskId,
+        offset: u64,
+        max_bytes: Option<u64>,
+    ) -> Result<ReadLogReply, ClientError> {
+        self.call(&Request::ReadLog(ReadLog {
+            task,
+            offset: Some(offset),
+            max_bytes,
+        }))
     }
 
     /// Runs the terminal-reaper sweep now.

@@ -16,11 +16,13 @@ use super::follow;
 use super::out::Out;
 use super::protocol::{
     Block, CommentReply, CommentReq, Complete, Events, EventsReply, HeartbeatReply, LinkReply,
-    LiveWorker, MAX_REPLY_TEXT_BYTES, PROTOCOL_VERSION, ReapReply, Reclaim, Request, RequestId,
-    Response, ShutdownReply, StatusReply, TaskReply, TasksReply, code,
+    LiveWorker, MAX_LOG_CHUNK, MAX_REPLY_TEXT_BYTES, PROTOCOL_VERSION, ReadLog, ReadLogReply,
+    ReapReply, Reclaim, Request, RequestId, Response, ShutdownReply, StatusReply, TaskReply,
+    TasksReply, code,
 };
 use super::server::{Role, Shared};
 use crate::actors::reaper::SweepNow;
+use crate::actors::spawn;
 use crate::actors::store::StoreError;
 use crate::board::{self, BoardError, Millis, Run, TaskId, TaskStatus, Tx, now_millis};
 use crate::process::{self, Liveness};
@@ -172,6 +174,7 @@ pub(super) fn start(
         Request::Events(e) if e.follow => follow::start(shared, id, e),
         Request::Events(e) => events_page(shared, id, e),
         Request::Status(_) => status(shared, id),
+        Request::ReadLog(r) => read_log(shared, id, r),
         Request::ReapNow(_) => {
             let reaper = shared.services.reaper.clone();
             async move {
@@ -421,6 +424,72 @@ fn events_page(
             events,
         })
     })
+}
+
+/// A piece of a task's log, read off the actor thread: what `runwarden logs` asks for when the
+/// operator may not read the file (the logs directory is the supervisor's alone).
+fn read_log(
+    shared: &Rc<Shared>,
+    id: Option<RequestId>,
+    r: ReadLog,
+) -> LocalBoxFuture<'static, Outcome> {
+    let path = shared
+        .services
+        .config
+        .logs_dir()
+        .join(format!("{}.log", r.task));
+    let (offset, max) = (
+        r.offset.unwrap_or(0),
+        r.max_bytes.unwrap_or(MAX_LOG_CHUNK).clamp(1, MAX_LOG_CHUNK),
+    );
+    async move {
+        let read = actix_rt::task::spawn_blocking(move || spawn::read_log(&path, offset, max))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        let result = match read {
+            Ok(Some((bytes, size))) => Ok(log_piece(offset, &bytes, size)),
+            Ok(None) => Err(OpError {
+                code: code::NOT_FOUND,
+                message: format!("task {} has no log", r.task),
+            }),
+            Err(e) => Err(OpError {
+                code: code::INTERNAL,
+                message: format!("cannot read the log of task {}: {e}", r.task),
+            }),
+        };
+        Outcome::Line(respond(id, result))
+    }
+    .boxed_local()
+}
+
+/// `bytes` (read at `offset`) as text: a character cut by the end of the piece is left for the
+/// next one (unless it is all there is), anything else invalid is replaced.
+fn log_piece(offset: u64, bytes: &[u8], size: u64) -> ReadLogReply {
+    let whole = match std::str::from_utf8(bytes) {
+        Err(e) if e.error_len().is_none() && e.valid_up_to() > 0 => e.valid_up_to(),
+        _ => bytes.len(),
+    };
+    ReadLogReply {
+        offset,
+        next: offset + whole as u64,
+        size,
+        data: String::from_utf8_lossy(&bytes[..whole]).into_owned(),
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn a_log_piece_never_cuts_a_character() {
+    let text = "aé".as_bytes(); // 'é' is two bytes
+    let cut = log_piece(10, &text[..2], 3);
+    assert_eq!((cut.data.as_str(), cut.next), ("a", 11));
+    let whole = log_piece(10, text, 3);
+    assert_eq!((whole.data.as_str(), whole.next), ("aé", 13));
+    let invalid = log_piece(0, b"a\xffb", 3);
+    assert_eq!((invalid.data.as_str(), invalid.next), ("a\u{fffd}b", 3));
+    // A piece that is nothing but the start of a character is given as it is (replaced).
+    let lone = log_piece(0, &text[1..2], 3);
+    assert_eq!(lone.next, 1);
 }
 
 fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static, Outcome> {

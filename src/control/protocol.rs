@@ -148,6 +148,9 @@ requests! {
     Events(Events) = "events";
     /// `{"op":"status"}` → [`StatusReply`]: pid, uptime, version, live workers, counts.
     Status(Empty) = "status";
+    /// `{"op":"read_log","task":3,"offset":0}` → [`ReadLogReply`]: a piece of the task's log,
+    /// for operators who may not read the file itself.
+    ReadLog(ReadLog) = "read_log";
     /// `{"op":"reap_now"}` → [`ReapReply`]: run the terminal-reaper sweep now.
     ReapNow(Empty) = "reap_now";
     /// `{"op":"shutdown"}` → [`ShutdownReply`]: the supervisor stops gracefully.
@@ -666,6 +669,36 @@ pub struct StatusReply {
     pub counts: BTreeMap<String, i64>,
     /// The newest event's id.
     pub last_event_id: EventId,
+}
+
+/// Most bytes of a log one `read_log` reply carries.
+pub const MAX_LOG_CHUNK: u64 = 1024 * 1024;
+
+/// `read_log`: up to `max_bytes` (default and at most [`MAX_LOG_CHUNK`]) of task `task`'s
+/// log from byte `offset` (default 0).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadLog {
+    /// The task.
+    pub task: TaskId,
+    /// Where to start, in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    /// At most this many bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<u64>,
+}
+
+/// `read_log`: the bytes from `offset` to `next` as text (invalid UTF-8 replaced; a character
+/// cut by the end of the piece is left for the next one), and the log's size now. `next ==
+/// size`: the end for now. `offset > size`: the log was rotated (truncated) since; start again
+/// from 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadLogReply {
+    pub offset: u64,
+    pub next: u64,
+    pub size: u64,
+    pub data: String,
 }
 
 /// `reap_now`: the sweep was started.
