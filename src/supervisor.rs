@@ -14,7 +14,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::actors::dispatcher::{DispatcherActor, LiveWorkers, StopDispatching};
-use crate::actors::hooks::HookActor;
+use crate::actors::hooks::{HookActor, HooksStop};
 use crate::actors::reaper::{ReaperActor, SweepNow};
 use crate::actors::spawn::Spawner;
 use crate::actors::store::{Flush, Store, StoreActor, StoreError};
@@ -74,6 +74,7 @@ impl Services {
 struct Booted {
     services: Services,
     control: ControlServer,
+    hooks: HooksStop,
     _lock: LockFile,
 }
 
@@ -175,8 +176,9 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         .map_err(|e| SupervisorError::Runtime(format!("cannot start the spawner threads: {e}")))?;
     let dispatcher =
         DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner).start();
+    let hooks = HooksStop::default();
     if !config.hooks.is_empty() {
-        HookActor::new(config.hooks.clone(), store.clone()).start();
+        HookActor::new(config.hooks.clone(), store.clone(), hooks.clone()).start();
     }
     tracing::info!(
         data_dir = %config.supervisor.data_dir.display(),
@@ -196,6 +198,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     Ok(Booted {
         services,
         control,
+        hooks,
         _lock: lock,
     })
 }
@@ -234,8 +237,10 @@ where
             let requested = booted.control.shutdown_requested();
             futures::future::select(shutdown, std::pin::pin!(requested)).await;
         }
-        // Stop serving first (in-flight replies are sent), then stop the actors.
+        // Stop serving first (in-flight replies are sent), then stop the actors. Running hooks
+        // are ended too: the runtime's end waits for them, and a hook's timeout may be long.
         booted.control.stop().await;
+        booted.hooks.stop();
         stop(&booted.services).await;
         drop(booted);
         Ok(())

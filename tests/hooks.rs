@@ -323,3 +323,56 @@ fn a_hook_that_never_reads_a_big_payload_is_still_ended_by_its_timeout() {
     );
     sup.shutdown();
 }
+
+#[test]
+fn what_a_hook_leaves_running_is_ended_once_its_time_is_up() {
+    let td = TestDir::new();
+    let out = td.path().join("hook-out");
+    fs::create_dir_all(&out).unwrap();
+    // Exits at once, leaving a background child in its group.
+    let script = format!(
+        "cd {out:?} || exit 1; sleep 302 & echo $! > bg.tmp; mv bg.tmp bg.pid; exit 0",
+        out = out.display().to_string()
+    );
+    let (mut serve, _db, _tasks) = start(&td, "exit 0", &hook(&["claimed"], &script, "1s"), &["t"]);
+    let bg = seen(wait_pid_file(&out.join("bg.pid"), SETTLE));
+    let _pin = bg.pin();
+    assert!(
+        wait_until(SETTLE, || !bg.alive()),
+        "the hook's background child outlived the hook's timeout: {bg:?}\n{}",
+        serve.stderr()
+    );
+    assert!(
+        matches!(serve.child.try_wait(), Ok(None)),
+        "serve keeps running"
+    );
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(status.is_some_and(|s| s.success()), "{}", serve.stderr());
+}
+
+#[test]
+fn a_stopping_supervisor_ends_its_running_hooks_whatever_their_timeout() {
+    let td = TestDir::new();
+    let out = td.path().join("hook-out");
+    fs::create_dir_all(&out).unwrap();
+    let script = format!(
+        "cd {out:?} || exit 1; echo $$ > hook.tmp; mv hook.tmp hook.pid; exec sleep 303",
+        out = out.display().to_string()
+    );
+    let (mut serve, _db, _tasks) = start(&td, "exit 0", &hook(&["claimed"], &script, "1h"), &["t"]);
+    let running = seen(wait_pid_file(&out.join("hook.pid"), SETTLE));
+    let _pin = running.pin();
+    // Stopped well within SETTLE although the hook could run for an hour.
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve did not stop while a hook ran: {status:?}\n{}",
+        serve.stderr()
+    );
+    assert!(!running.alive(), "the hook outlived its supervisor");
+    assert!(
+        serve.stderr().contains("the supervisor is stopping"),
+        "{}",
+        serve.stderr()
+    );
+}

@@ -2,16 +2,20 @@
 //!
 //! Each matching committed event starts the hook's command with the event as JSON on stdin and
 //! `RUNWARDEN_EVENT_*` in its environment. A hook is itself supervised: a process-group leader,
-//! ended (group, SIGTERM then SIGKILL) when it exceeds its `timeout`. Its failure is logged,
-//! never fatal, and never blocks the supervisor: hooks run on the blocking pool, at most
-//! `MAX_RUNNING` at once (further events wait in this actor's queue).
+//! ended (group, SIGTERM then SIGKILL) when it exceeds its `timeout`; what it leaves running
+//! in its group when it exits is given the rest of that time, then ended the same way. Its
+//! failure is logged, never fatal, and never blocks the supervisor: hooks run on the blocking
+//! pool, at most `MAX_RUNNING` at once (further events wait in this actor's queue). Hooks run
+//! at most once per event: when the supervisor stops, running hooks are ended (within
+//! `HOOK_KILL_TIMEOUT`, whatever their timeout) and queued ones are dropped, counted in the log.
 
 use std::collections::VecDeque;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
@@ -26,6 +30,8 @@ const MAX_RUNNING: usize = 4;
 const MAX_QUEUED: usize = 10_000;
 /// SIGTERM → this long → SIGKILL for a hook over its timeout.
 const HOOK_KILL_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a running hook's thread looks whether the supervisor is stopping.
+const STOP_POLL: Duration = Duration::from_millis(100);
 
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -41,28 +47,56 @@ pub struct HookActor {
     store: Store,
     queue: VecDeque<(HookConfig, Arc<Event>)>,
     running: usize,
+    stopping: HooksStop,
+}
+
+/// Set when the supervisor stops: running hooks are ended, no more are started.
+#[derive(Clone, Default)]
+pub struct HooksStop(Arc<AtomicBool>);
+
+impl HooksStop {
+    /// Ends the running hooks (each within [`HOOK_KILL_TIMEOUT`]) and starts no more.
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
 impl HookActor {
-    /// A hook runner for `hooks` fed by `store`'s events.
-    pub fn new(hooks: Vec<HookConfig>, store: Store) -> Self {
+    /// A hook runner for `hooks` fed by `store`'s events; `stopping` ends it.
+    pub fn new(hooks: Vec<HookConfig>, store: Store, stopping: HooksStop) -> Self {
         HookActor {
             hooks,
             store,
             queue: VecDeque::new(),
             running: 0,
+            stopping,
         }
     }
 
     fn drain(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping.is_set() {
+            if !self.queue.is_empty() {
+                tracing::warn!(
+                    dropped = self.queue.len(),
+                    "supervisor stopping: queued hook runs dropped"
+                );
+                self.queue.clear();
+            }
+            return;
+        }
         while self.running < MAX_RUNNING {
             let Some((hook, ev)) = self.queue.pop_front() else {
                 return;
             };
             self.running += 1;
             let me = ctx.address();
+            let stopping = self.stopping.clone();
             actix_rt::task::spawn_blocking(move || {
-                if let Err(e) = run_hook(&hook, &ev) {
+                if let Err(e) = run_hook(&hook, &ev, &stopping) {
                     tracing::warn!(command = ?hook.command, event = %ev.kind, error = %e, "hook failed");
                 }
                 me.do_send(HookDone);
@@ -132,8 +166,9 @@ fn fires_on(hook: &HookConfig, ev: &Event) -> bool {
         .any(|k| k == "*" || *k == ev.kind || Some(k.as_str()) == outcome)
 }
 
-/// Runs one hook to completion (or kills it at its timeout). Blocking.
-fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
+/// Runs one hook to completion (or kills it at its timeout, or when the supervisor stops).
+/// Blocking.
+fn run_hook(hook: &HookConfig, ev: &Event, stopping: &HooksStop) -> Result<(), String> {
     let (program, args) = hook.command.split_first().ok_or("empty hook command")?;
     let mut cmd = Command::new(program);
     cmd.args(args)
@@ -176,16 +211,16 @@ fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
             tracing::warn!(command = ?hook.command, error = %e, "cannot start the hook's stdin writer; its stdin is closed");
         }
     }
+    let deadline = crate::deadline_after(hook.timeout);
     let timed_out = match &pidfd {
-        Ok(fd) => !fd.wait_exit(hook.timeout).unwrap_or(true),
+        Ok(fd) => !wait_leader(fd, deadline, stopping),
         Err(e) => {
             // No pidfd (e.g. out of descriptors): the timeout still holds. The hook is our
             // child, not yet reaped, so its pid (and its group's id) cannot name anyone else
             // until we wait for it: a plain killpg is safe here.
             tracing::warn!(command = ?hook.command, error = %e, "no pidfd for a hook; polling it");
-            let deadline = crate::deadline_after(hook.timeout);
             let mut exited = false;
-            while !exited && std::time::Instant::now() < deadline {
+            while !exited && Instant::now() < deadline && !stopping.is_set() {
                 exited = !matches!(child.try_wait(), Ok(None));
                 if !exited {
                     std::thread::sleep(std::time::Duration::from_millis(20));
@@ -198,11 +233,18 @@ fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
             !exited
         }
     };
-    if timed_out && let Ok(fd) = &pidfd {
-        let _ = process::terminate_group(fd, HOOK_KILL_TIMEOUT);
+    if let Ok(fd) = &pidfd {
+        // The leader is still our unreaped child, so its pidfd pins its group: what the hook
+        // left running there (`notify &`) gets the rest of the hook's time, then is ended.
+        if timed_out || !group_done(pid, deadline, stopping) {
+            let _ = process::terminate_group(fd, HOOK_KILL_TIMEOUT);
+        }
     }
     let status = child.wait().map_err(|e| e.to_string());
     process::owned::unregister(pid);
+    if timed_out && stopping.is_set() {
+        return Err("ended: the supervisor is stopping".into());
+    }
     if timed_out {
         return Err(format!(
             "timed out after {}",
@@ -212,5 +254,34 @@ fn run_hook(hook: &HookConfig, ev: &Event) -> Result<(), String> {
     match status? {
         s if s.success() => Ok(()),
         s => Err(format!("exited with {s}")),
+    }
+}
+
+/// Waits for the hook's leader to exit until `deadline`; false if it did not (or the supervisor
+/// is stopping), and the hook is to be ended.
+fn wait_leader(fd: &PidFd, deadline: Instant, stopping: &HooksStop) -> bool {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match fd.wait_exit(left.min(STOP_POLL)) {
+            Ok(true) => return true,
+            Ok(false) if left.is_zero() || stopping.is_set() => return false,
+            Ok(false) => {}
+            // Cannot tell: treat as still running (it is ended, by its pinned group).
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Waits until no live process is left in the exited hook's group, until `deadline`; false if
+/// some still are (or the supervisor is stopping). A /proc scan per look: hooks are few.
+fn group_done(pgid: i32, deadline: Instant, stopping: &HooksStop) -> bool {
+    loop {
+        if !process::group_alive(pgid) {
+            return true;
+        }
+        if Instant::now() >= deadline || stopping.is_set() {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
