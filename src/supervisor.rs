@@ -215,12 +215,19 @@ async fn stop(services: &Services) {
 }
 
 /// Runs a supervisor on the calling thread until `shutdown` resolves, then stops gracefully.
-/// `ready` is called once the supervisor is up (with its services).
+/// `ready` is called once the supervisor is up (with its services). Not from inside an async
+/// runtime (an error): [`Supervisor::start`] runs it on a thread of its own.
 pub fn run<F, Fut>(config: Config, ready: F, shutdown: Fut) -> Result<(), SupervisorError>
 where
     F: FnOnce(&Services) + 'static,
     Fut: Future<Output = ()> + 'static,
 {
+    // actix would panic starting a runtime inside another one.
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return Err(SupervisorError::Runtime(
+            "runwarden::supervisor::run blocks its thread and cannot run inside an async runtime; use Supervisor::start, which runs on a thread of its own".into(),
+        ));
+    }
     let system = System::new();
     let result = system.block_on(async move {
         // Poll `shutdown` once BEFORE booting. A future that installs its signal handlers on

@@ -291,32 +291,30 @@ impl WorkerActor {
         ctx: &mut Context<Self>,
     ) {
         self.exit_recorded = true;
-        // The group probe is one syscall (signal 0 through the pidfd), fine on this thread.
-        if pidfd.group_exists().unwrap_or(true) {
-            return self.record_exit_probed(pidfd, status, true, ctx);
-        }
-        // Escapees of a young worker of ours are among the few pids handed out since its start;
-        // any other — an older worker, one adopted from a previous incarnation (whose escapees
-        // went to init, not to us) — takes a scan of /proc for the token. Either reads other
-        // processes' /proc files, which can block (a process stuck on a hung file system), so
-        // never on this thread.
+        // Members left in the group: one syscall (signal 0 through the pidfd) — a /proc scan
+        // on kernels before 6.9. Escapees of a young worker of ours are among the few pids
+        // handed out since its start; any other — an older worker, one adopted from a previous
+        // incarnation (whose escapees went to init, not to us) — takes a scan of /proc for the
+        // token. All of it may read other processes' /proc files, which can block (a process
+        // stuck on a hung file system): never on this thread.
         let young = self
             .spawned_at
             .is_some_and(|t| t.elapsed() < RECENT_PROBE_MAX_AGE);
-        let (token, leader) = (self.spec.token.clone(), pidfd.pid());
+        let (token, probe_fd) = (self.spec.token.clone(), pidfd.clone());
         async move {
             actix_rt::task::spawn_blocking(move || {
-                young
-                    .then(|| descendants::carrier_among_recent(leader, &token))
-                    .flatten()
-                    .unwrap_or_else(|| !descendants::find_by_token(&token).is_empty())
+                probe_fd.group_exists().unwrap_or(true)
+                    || young
+                        .then(|| descendants::carrier_among_recent(probe_fd.pid(), &token))
+                        .flatten()
+                        .unwrap_or_else(|| !descendants::find_by_token(&token).is_empty())
             })
             .await
             // A probe that died proves nothing: keep the evidence and end the tree.
             .unwrap_or(true)
         }
         .into_actor(self)
-        .map(move |escaped, act, ctx| act.record_exit_probed(pidfd, status, escaped, ctx))
+        .map(move |tree_alive, act, ctx| act.record_exit_probed(pidfd, status, tree_alive, ctx))
         .wait(ctx);
     }
 
