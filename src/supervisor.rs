@@ -95,14 +95,27 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
             source,
         })?;
         let Some(mode) = mode else { continue };
-        let current = std::fs::metadata(&dir).map(|m| m.permissions().mode() & 0o7777);
-        if current.is_ok_and(|m| m == mode) {
+        let current = std::fs::metadata(&dir)
+            .map(|m| m.permissions().mode() & 0o7777)
+            .map_err(|source| SupervisorError::Dir {
+                path: dir.clone(),
+                source,
+            })?;
+        if current == mode {
             continue;
         }
-        // A directory someone else prepared (and owns) may refuse the change: that is theirs
-        // to decide, not a reason to refuse to start.
+        // A directory someone else prepared (and owns) may refuse the change. That is theirs
+        // to decide — unless others may write in it: then they could put a link in a log's
+        // or a task's place and have the supervisor write (or read, or rotate) wherever it
+        // points.
         if let Err(e) = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)) {
-            tracing::warn!(path = %dir.display(), mode = format!("{mode:o}"), error = %e, "cannot chmod a data directory; left as it is");
+            if current & 0o022 != 0 {
+                return Err(SupervisorError::Runtime(format!(
+                    "{} is writable by others (mode {current:o}) and cannot be made {mode:o}: {e}; give it to the supervisor's user or take others' write access away",
+                    dir.display()
+                )));
+            }
+            tracing::warn!(path = %dir.display(), mode = format!("{current:o}"), error = %e, "cannot chmod a data directory; left as it is (only its owner may write in it)");
         }
     }
     Ok(())
@@ -215,19 +228,15 @@ async fn stop(services: &Services) {
 }
 
 /// Runs a supervisor on the calling thread until `shutdown` resolves, then stops gracefully.
-/// `ready` is called once the supervisor is up (with its services). Not from inside an async
-/// runtime (an error): [`Supervisor::start`] runs it on a thread of its own.
+/// `ready` is called once the supervisor is up (with its services). It blocks its thread: call
+/// it from a thread of its own (a `spawn_blocking` one will do), never from async code running
+/// on a runtime — actix panics starting a runtime inside another. [`Supervisor::start`] runs
+/// it on a thread of its own.
 pub fn run<F, Fut>(config: Config, ready: F, shutdown: Fut) -> Result<(), SupervisorError>
 where
     F: FnOnce(&Services) + 'static,
     Fut: Future<Output = ()> + 'static,
 {
-    // actix would panic starting a runtime inside another one.
-    if tokio::runtime::Handle::try_current().is_ok() {
-        return Err(SupervisorError::Runtime(
-            "runwarden::supervisor::run blocks its thread and cannot run inside an async runtime; use Supervisor::start, which runs on a thread of its own".into(),
-        ));
-    }
     let system = System::new();
     let result = system.block_on(async move {
         // Poll `shutdown` once BEFORE booting. A future that installs its signal handlers on

@@ -118,3 +118,35 @@ fn a_live_workers_log_is_rotated_on_the_tick_and_it_keeps_writing() {
     assert_eq!(String::from_utf8_lossy(&new).trim(), "after the rotation");
     sup.shutdown();
 }
+
+#[test]
+fn a_link_in_a_logs_place_is_never_followed() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.retries.max_retries = 0;
+    config.assignees.insert(
+        "w".into(),
+        AssigneeConfig::new(["sh", "-c", "echo written"]),
+    );
+    let sup = Supervisor::start(config).expect("start the supervisor");
+    // The next task's log place holds a link to a file that is not the supervisor's to write.
+    let victim = td.path().join("victim");
+    fs::write(&victim, "untouched\n").unwrap();
+    let next_id = 1;
+    let (log, _) = logs(&td, next_id);
+    std::os::unix::fs::symlink(&victim, &log).unwrap();
+    let id = add(&sup, "w");
+    assert_eq!(id, next_id);
+    let task = sup.wait_for(id, SETTLE).expect("task settles");
+    let run = &sup.task(id).expect("task detail").runs[0];
+    assert_eq!(task.status, TaskStatus::Blocked, "{run:?}");
+    assert_eq!(run.outcome, Some(RunOutcome::SpawnFailed), "{run:?}");
+    assert!(
+        run.error
+            .as_deref()
+            .is_some_and(|e| e.contains("cannot open log file")),
+        "{run:?}"
+    );
+    assert_eq!(read(&victim), "untouched\n");
+    sup.shutdown();
+}

@@ -221,12 +221,14 @@ fn run_hook(hook: &HookConfig, ev: &Event, stopping: &HooksStop) -> Result<(), S
             tracing::warn!(command = ?hook.command, error = %e, "no pidfd for a hook; polling it");
             let mut exited = false;
             while !exited && Instant::now() < deadline && !stopping.is_set() {
-                exited = !matches!(child.try_wait(), Ok(None));
+                exited = exited_unreaped(pid);
                 if !exited {
                     std::thread::sleep(std::time::Duration::from_millis(20));
                 }
             }
-            if !exited {
+            // Exited or not, the leader is unreaped: what it left in its group gets the rest of
+            // the time, as with a pidfd, then SIGKILL (no grace without a pidfd to wait on).
+            if !exited || !group_done(pid, deadline, stopping) {
                 // SAFETY: killpg only sends a signal.
                 unsafe { libc::killpg(pid, libc::SIGKILL) };
             }
@@ -284,4 +286,22 @@ fn group_done(pgid: i32, deadline: Instant, stopping: &HooksStop) -> bool {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// True once our child `pid` has exited, leaving it unreaped (WNOWAIT): its pid, and so its
+/// group's id, stays ours to signal until `Child::wait`.
+fn exited_unreaped(pid: i32) -> bool {
+    // SAFETY: waitid fills `info`, a plain C struct we own.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // With WNOHANG, a child that has not exited leaves si_pid zero. An error (none should
+    // come for our own child) counts as exited: the caller then ends the group and reaps.
+    r != 0 || unsafe { info.si_pid() } != 0
 }

@@ -365,6 +365,10 @@ fn create_private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let create = || fs::DirBuilder::new().mode(0o700).create(dir);
     let existing = || {
+        // Not a link put in the directory's place: the worker would work wherever it points.
+        if fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(std::io::Error::other("it is a symbolic link"));
+        }
         if let Ok(meta) = fs::metadata(dir)
             && meta.permissions().mode() & 0o077 != 0
             && let Err(e) = fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
@@ -396,11 +400,14 @@ fn create_private_dir(dir: &Path) -> std::io::Result<()> {
 /// `max_bytes`.
 fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
     use std::os::unix::fs::OpenOptionsExt;
+    // Never through a symbolic link: the log is the supervisor's file, not wherever a link
+    // put in its place points.
     let open = || {
         OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
     };
     let file = match open() {
@@ -434,24 +441,38 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
 /// mode: its next write lands at the new end of the truncated file. Lines written between copy
 /// and truncate are lost; that is the documented price of never interrupting the worker.
 pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
-    let Ok(meta) = fs::metadata(path) else { return };
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return;
+    };
     if meta.len() < max_bytes {
         return;
     }
     let backup = backup_path(path);
     let copy_tail = || -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
-        let mut src = File::open(path)?;
-        let len = src.metadata()?.len();
+        let mut src = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)?;
+        let meta = src.metadata()?;
+        if !meta.is_file() {
+            return Err(std::io::Error::other("not a regular file"));
+        }
+        let len = meta.len();
         src.seek(SeekFrom::Start(len.saturating_sub(max_bytes)))?;
         let mut dst = OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&backup)?;
         std::io::copy(&mut src.take(max_bytes), &mut dst)?;
-        OpenOptions::new().write(true).open(path)?.set_len(0)
+        OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)?
+            .set_len(0)
     };
     if let Err(e) = copy_tail() {
         tracing::warn!(path = %path.display(), error = %e, "log rotation failed");
@@ -472,7 +493,7 @@ pub fn read_log(path: &Path, offset: u64, max: u64) -> std::io::Result<Option<(V
     use std::os::unix::fs::OpenOptionsExt;
     let mut f = match OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NONBLOCK)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
         .open(path)
     {
         Ok(f) => f,

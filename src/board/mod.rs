@@ -247,17 +247,18 @@ impl Board {
             // savepoint costs a copy of every page the op touches).
             let op = batch.into_iter().next().expect("one op");
             let out = op(&txn);
-            // Rolled back early inside the op (which went on regardless): nothing of it stands.
-            txn.check_not_ended()?;
-            if tx.is_autocommit() {
-                return Err(out.err().unwrap_or_else(|| EndedBy(None).error()));
-            }
+            // A refused op is its caller's answer, whatever it rolled back with it.
             if out.is_err() {
                 drop(tx);
                 return Ok(Committed {
                     results: vec![out],
                     events: Vec::new(),
                 });
+            }
+            // Rolled back early inside the op, which went on regardless: it does not stand.
+            txn.check_not_ended()?;
+            if tx.is_autocommit() {
+                return Err(EndedBy(None).error());
             }
             results.push(out);
         } else {
@@ -329,10 +330,7 @@ impl EndedBy {
             .unwrap_or_else(|| rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_ABORT));
         BoardError::Sqlite(rusqlite::Error::SqliteFailure(
             code,
-            Some(
-                "the transaction was rolled back by an error inside it; nothing of it was written"
-                    .into(),
-            ),
+            Some("the transaction was rolled back by an error inside it".into()),
         ))
     }
 }

@@ -465,16 +465,34 @@ fn read_log(
 /// `bytes` (read at `offset`) as text: a character cut by the end of the piece is left for the
 /// next one (unless it is all there is), anything else invalid is replaced.
 fn log_piece(offset: u64, bytes: &[u8], size: u64) -> ReadLogReply {
-    let whole = match std::str::from_utf8(bytes) {
-        Err(e) if e.error_len().is_none() && e.valid_up_to() > 0 => e.valid_up_to(),
-        _ => bytes.len(),
-    };
+    let whole = complete_prefix(bytes);
     ReadLogReply {
         offset,
         next: offset + whole as u64,
         size,
         data: String::from_utf8_lossy(&bytes[..whole]).into_owned(),
     }
+}
+
+/// How much of `bytes` ends on a character boundary: a multi-byte sequence begun in the last
+/// three bytes and not finished is held back — whatever invalid bytes come before it —
+/// unless it is all there is.
+fn complete_prefix(bytes: &[u8]) -> usize {
+    let n = bytes.len();
+    for back in 1..=n.min(3) {
+        let b = bytes[n - back];
+        if b & 0xC0 == 0x80 {
+            continue; // a continuation byte: its lead is further back
+        }
+        let len = match b {
+            0xF0.. => 4,
+            0xE0.. => 3,
+            0xC0.. => 2,
+            _ => 1,
+        };
+        return if len > back && back < n { n - back } else { n };
+    }
+    n
 }
 
 #[cfg(test)]
@@ -488,8 +506,16 @@ fn a_log_piece_never_cuts_a_character() {
     let invalid = log_piece(0, b"a\xffb", 3);
     assert_eq!((invalid.data.as_str(), invalid.next), ("a\u{fffd}b", 3));
     // A piece that is nothing but the start of a character is given as it is (replaced).
-    let lone = log_piece(0, &text[1..2], 3);
+    let lone = log_piece(0, &text[..1], 3);
     assert_eq!(lone.next, 1);
+    let lead = log_piece(0, &"é".as_bytes()[..1], 2);
+    assert_eq!(lead.next, 1);
+    // An invalid byte earlier in the piece does not stop the cut character being held back.
+    let mixed = log_piece(0, b"\xffa\xc3", 5);
+    assert_eq!((mixed.data.as_str(), mixed.next), ("\u{fffd}a", 2));
+    let four = "a😀".as_bytes(); // a four-byte character
+    assert_eq!(log_piece(0, &four[..4], 5).next, 1);
+    assert_eq!(log_piece(0, four, 5).next, 5);
 }
 
 fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static, Outcome> {

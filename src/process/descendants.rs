@@ -49,20 +49,37 @@ pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
         }
         // Identity first, then the environment (see above).
         let Ok(fp) = fingerprint(pid) else { continue };
-        let Some(env) = read_environ(pid) else {
-            continue;
-        };
-        if env.split(|&b| b == 0).any(|var| var == needle.as_slice()) {
+        if carries(pid, &needle) {
             found.push((pid, fp));
         }
     }
     found
 }
 
-/// Whether `pid` (not ourselves) carries the token behind `needle`.
+/// Whether `pid` (not ourselves) carries the token behind `needle`. A process caught in the
+/// middle of an exec shows an empty environment for a moment (the new image's is not laid
+/// out yet; measured: one read in ten right after a spawn): an empty one is read again after
+/// a millisecond before it counts — unless it is a kernel thread (no environment ever), told
+/// by its parent, kthreadd (pid 2).
 fn carries(pid: Pid, needle: &[u8]) -> bool {
-    pid != std::process::id() as Pid
-        && read_environ(pid).is_some_and(|env| env.split(|&b| b == 0).any(|var| var == needle))
+    const KTHREADD: Pid = 2;
+    if pid == std::process::id() as Pid {
+        return false;
+    }
+    let has = |env: &[u8]| env.split(|&b| b == 0).any(|var| var == needle);
+    match read_environ(pid) {
+        Some(env) if env.is_empty() => {
+            let kernel = pid == KTHREADD
+                || super::read_stat(pid).map_or(true, |s| s.ppid == KTHREADD || s.ppid == 0);
+            if kernel {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            read_environ(pid).is_some_and(|env| has(&env))
+        }
+        Some(env) => has(&env),
+        None => false,
+    }
 }
 
 /// Most pids [`carrier_among_recent`] probes one by one; beyond it a scan of /proc is cheaper.
