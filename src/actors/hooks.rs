@@ -55,7 +55,7 @@ pub struct HookActor {
 pub struct HooksStop(Arc<AtomicBool>);
 
 impl HooksStop {
-    /// Ends the running hooks (each within [`HOOK_KILL_TIMEOUT`]) and starts no more.
+    /// Ends the running hooks (each within 2 s, `HOOK_KILL_TIMEOUT`) and starts no more.
     pub fn stop(&self) {
         self.0.store(true, Ordering::Release);
     }

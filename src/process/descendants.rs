@@ -87,14 +87,14 @@ const RECENT_PROBE_LIMIT: usize = 128;
 
 /// Whether a process carrying `token` exists among the pids handed out after `leader`'s, up
 /// to the most recent one — `None` when that cannot be told cheaply (more than
-/// [`RECENT_PROBE_LIMIT`] pids, or ns_last_pid or pid_max unreadable): the caller then scans
+/// `RECENT_PROBE_LIMIT` (128) pids, or ns_last_pid or pid_max unreadable): the caller then scans
 /// with [`find_by_token`]. Blocking (reads /proc): off the actor threads.
 ///
 /// For a run whose leader started moments ago: every descendant of it was started after it,
 /// and pids are handed out in increasing order, wrapping at `pid_max` to 300 — so its
 /// descendants are among these pids unless the numbering has come round past the leader (the
 /// caller keeps this to young leaders). Pids of our registered children (other workers) are
-/// skipped without a syscall, and most of the rest with one (see [`kin`]). A carrier may fork
+/// skipped without a syscall, and most of the rest with one (see `kin`). A carrier may fork
 /// while the pids are walked (a double fork, a process that keeps moving to a new pid): the
 /// walk goes on over the pids handed out meanwhile until none was.
 pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
@@ -329,7 +329,7 @@ pub fn pidfds_by_token(token: &str) -> Vec<super::PidFd> {
 /// those still running; then one more scan SIGKILLs any carrier that appeared meanwhile (forked
 /// by one being ended). Every signal goes through a pidfd verified against a fingerprint read
 /// before the token (see [`find_by_token`]). Blocking. Returns how many carriers were
-/// signalled, or an error when one SIGKILLed is still there after [`super::AFTER_SIGKILL`]
+/// signalled, or an error when one SIGKILLed is still there after `AFTER_SIGKILL` (5 s)
 /// (uninterruptible sleep): callers keep the run's evidence then, since "ended" must mean gone.
 pub fn end_token_carriers(
     token: &str,
