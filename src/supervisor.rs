@@ -79,10 +79,11 @@ struct Booted {
 }
 
 /// The data dir and its `logs/` and `work/`. The data dir's own mode is the control server's
-/// (0700, or 0711 when the socket serves other users); inside it `logs/` is 0700 (logs are
-/// read through the socket) and `work/` 0711 (a worker running as another user must reach its
-/// own `work/<id>`, which is 0700 and its), set on every start so a board from before these
-/// modes gets them too.
+/// (0700, or 0711 when the socket serves other users; here it only loses others' write
+/// access); inside it `logs/` is 0700 (other operators read logs through the socket) and
+/// `work/` 0711 (a worker running as another user must reach its own `work/<id>`, which is
+/// 0700 and its), set on every start so a board from before these modes gets them too. One of
+/// them others may write in that cannot be changed refuses the start.
 fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
     use std::os::unix::fs::PermissionsExt;
     for (dir, mode) in [
@@ -94,13 +95,15 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
             path: dir.clone(),
             source,
         })?;
-        let Some(mode) = mode else { continue };
         let current = std::fs::metadata(&dir)
             .map(|m| m.permissions().mode() & 0o7777)
             .map_err(|source| SupervisorError::Dir {
                 path: dir.clone(),
                 source,
             })?;
+        // The data dir's own mode is the control server's to set; here it only loses others'
+        // write access (through it, `logs/` or `work/` could be swapped for a link).
+        let mode = mode.unwrap_or(current & !0o022);
         if current == mode {
             continue;
         }

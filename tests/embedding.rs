@@ -1,6 +1,6 @@
-//! Embedding from async code: `Supervisor::start` works inside a tokio runtime (it runs the
-//! supervisor on a thread of its own), and `supervisor::run` works on a runtime's blocking
-//! thread.
+//! Embedding: `Supervisor::start` works inside a tokio runtime (it runs the supervisor on a
+//! thread of its own), and `supervisor::run` works on a runtime's blocking thread; a data dir
+//! handed over writable by others loses their write access.
 
 #[allow(dead_code)]
 mod common;
@@ -37,4 +37,24 @@ fn a_supervisor_embeds_in_a_tokio_program() {
         .expect("the blocking task");
         assert!(ran.is_ok(), "{ran:?}");
     });
+}
+
+#[test]
+fn a_data_dir_others_may_write_in_loses_their_write_access() {
+    use std::os::unix::fs::PermissionsExt;
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    // The socket elsewhere: the data dir's mode is then nobody else's business but this.
+    let sockets = tempfile::tempdir().unwrap();
+    config.supervisor.socket = Some(sockets.path().join("s.sock"));
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    std::fs::set_permissions(td.data_dir(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let sup = Supervisor::start(config).expect("start");
+    let mode = std::fs::metadata(td.data_dir())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o755, "others could swap logs/ or work/ for a link");
+    sup.shutdown();
 }

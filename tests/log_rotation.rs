@@ -150,3 +150,44 @@ fn a_link_in_a_logs_place_is_never_followed() {
     assert_eq!(read(&victim), "untouched\n");
     sup.shutdown();
 }
+
+#[test]
+fn a_fifo_in_the_backups_place_is_replaced_not_waited_on() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.supervisor.log_max_bytes = MAX;
+    config.assignees.insert(
+        "w".into(),
+        AssigneeConfig::new([
+            "sh",
+            "-c",
+            "head -c 2000 /dev/zero | tr '\\0' C; echo; sleep 1",
+        ]),
+    );
+    let sup = Supervisor::start(config).expect("start the supervisor");
+    // Task 1's backup place holds a FIFO (an open for writing would wait for a reader).
+    let (log, backup) = logs(&td, 1);
+    let fifo = std::ffi::CString::new(backup.display().to_string()).unwrap();
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let id = add(&sup, "w");
+    assert_eq!(id, 1);
+    // Its log passes the bound while its worker sleeps: the tick rotates it (read only once it
+    // is a regular file: reading the FIFO would wait here too).
+    let rotated = || {
+        fs::symlink_metadata(&backup).is_ok_and(|m| m.file_type().is_file())
+            && fs::read_to_string(&backup)
+                .is_ok_and(|b| b == format!("{}\n", "C".repeat(MAX as usize - 1)))
+    };
+    assert!(
+        wait_until(SETTLE, rotated),
+        "not rotated: log {:?}, backup {:?}",
+        fs::metadata(&log).map(|m| m.len()),
+        fs::symlink_metadata(&backup).map(|m| m.file_type())
+    );
+    sup.wait_for(id, SETTLE).expect("task finishes");
+    // The tick's chores were not stuck on the FIFO: the next task starts and finishes.
+    let next = add(&sup, "w");
+    sup.wait_for(next, SETTLE).expect("the next task runs");
+    sup.shutdown();
+}

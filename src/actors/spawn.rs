@@ -460,12 +460,17 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
         }
         let len = meta.len();
         src.seek(SeekFrom::Start(len.saturating_sub(max_bytes)))?;
+        // A fresh file: whatever is in the backup's place (the old backup, or a FIFO that an
+        // open for writing would wait on for ever) goes first.
+        match fs::remove_file(&backup) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         let mut dst = OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&backup)?;
         std::io::copy(&mut src.take(max_bytes), &mut dst)?;
         OpenOptions::new()

@@ -165,8 +165,10 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
             continue;
         }
         write_stdout(piece.data.as_bytes())?;
+        // No progress: the log ends inside a character its writer has not finished.
+        let stuck = piece.next == offset;
         offset = piece.next;
-        if offset >= piece.size {
+        if offset >= piece.size || stuck {
             if !args.follow {
                 return Ok(());
             }

@@ -465,7 +465,8 @@ fn read_log(
 /// `bytes` (read at `offset`) as text: a character cut by the end of the piece is left for the
 /// next one (unless it is all there is), anything else invalid is replaced.
 fn log_piece(offset: u64, bytes: &[u8], size: u64) -> ReadLogReply {
-    let whole = complete_prefix(bytes);
+    let at_end = offset + bytes.len() as u64 >= size;
+    let whole = complete_prefix(bytes, at_end);
     ReadLogReply {
         offset,
         next: offset + whole as u64,
@@ -475,9 +476,11 @@ fn log_piece(offset: u64, bytes: &[u8], size: u64) -> ReadLogReply {
 }
 
 /// How much of `bytes` ends on a character boundary: a multi-byte sequence begun in the last
-/// three bytes and not finished is held back — whatever invalid bytes come before it —
-/// unless it is all there is.
-fn complete_prefix(bytes: &[u8]) -> usize {
+/// three bytes and not finished is held back — whatever invalid bytes come before it. When it
+/// is all there is, it is held back only `at_end` of the log (the writer has not finished it
+/// yet: nothing is given, the client asks again later); a piece cut short by `max_bytes` gives
+/// it, replaced, so a reader always gets on.
+fn complete_prefix(bytes: &[u8], at_end: bool) -> usize {
     let n = bytes.len();
     for back in 1..=n.min(3) {
         let b = bytes[n - back];
@@ -490,7 +493,12 @@ fn complete_prefix(bytes: &[u8]) -> usize {
             0xC0.. => 2,
             _ => 1,
         };
-        return if len > back && back < n { n - back } else { n };
+        return match (len > back, back < n) {
+            (false, _) => n,
+            (true, true) => n - back,
+            (true, false) if at_end => 0,
+            (true, false) => n,
+        };
     }
     n
 }
@@ -505,17 +513,31 @@ fn a_log_piece_never_cuts_a_character() {
     assert_eq!((whole.data.as_str(), whole.next), ("aé", 13));
     let invalid = log_piece(0, b"a\xffb", 3);
     assert_eq!((invalid.data.as_str(), invalid.next), ("a\u{fffd}b", 3));
-    // A piece that is nothing but the start of a character is given as it is (replaced).
-    let lone = log_piece(0, &text[..1], 3);
-    assert_eq!(lone.next, 1);
-    let lead = log_piece(0, &"é".as_bytes()[..1], 2);
-    assert_eq!(lead.next, 1);
+    // A piece that is nothing but the start of a character: held back at the log's end (its
+    // writer is not done with it), given (replaced) when the piece was cut short.
+    let lead = log_piece(0, &"é".as_bytes()[..1], 1);
+    assert_eq!((lead.data.as_str(), lead.next), ("", 0));
+    let cut_short = log_piece(0, &"é".as_bytes()[..1], 2);
+    assert_eq!((cut_short.data.as_str(), cut_short.next), ("\u{fffd}", 1));
+    // Followed at the end while it is written: "ab" and half a character, then the rest.
+    let first = log_piece(0, &"ab😀".as_bytes()[..4], 4);
+    assert_eq!((first.data.as_str(), first.next), ("ab", 2));
+    let waiting = log_piece(2, &"😀".as_bytes()[..2], 4);
+    assert_eq!(waiting.next, 2);
+    let done = log_piece(2, "😀".as_bytes(), 6);
+    assert_eq!((done.data.as_str(), done.next), ("😀", 6));
     // An invalid byte earlier in the piece does not stop the cut character being held back.
-    let mixed = log_piece(0, b"\xffa\xc3", 5);
+    let mixed = log_piece(0, b"\xffa\xc3", 3);
     assert_eq!((mixed.data.as_str(), mixed.next), ("\u{fffd}a", 2));
     let four = "a😀".as_bytes(); // a four-byte character
     assert_eq!(log_piece(0, &four[..4], 5).next, 1);
     assert_eq!(log_piece(0, four, 5).next, 5);
+    assert_eq!(log_piece(1, &four[1..4], 4).next, 1, "held at the end");
+    assert_eq!(
+        log_piece(1, &four[1..4], 5).next,
+        4,
+        "cut short: given, replaced"
+    );
 }
 
 fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static, Outcome> {

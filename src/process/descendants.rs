@@ -35,7 +35,7 @@ pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
     let Ok(dir) = fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let mut found = Vec::new();
+    let (mut found, mut again) = (Vec::new(), Vec::new());
     for entry in dir.flatten() {
         let Some(pid) = entry
             .file_name()
@@ -49,38 +49,52 @@ pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
         }
         // Identity first, then the environment (see above).
         let Ok(fp) = fingerprint(pid) else { continue };
-        if carries(pid, &needle) {
-            found.push((pid, fp));
+        match carries_now(pid, &needle) {
+            Some(true) => found.push((pid, fp)),
+            Some(false) => {}
+            None => again.push((pid, fp)),
         }
+    }
+    // Those caught mid-exec, read again after one wait for them all.
+    if !again.is_empty() {
+        std::thread::sleep(MID_EXEC);
+        found.extend(
+            again
+                .into_iter()
+                .filter(|(pid, _)| carries_now(*pid, &needle) == Some(true)),
+        );
     }
     found
 }
 
-/// Whether `pid` (not ourselves) carries the token behind `needle`. A process caught in the
-/// middle of an exec shows an empty environment for a moment (the new image's is not laid
-/// out yet; measured: one read in ten right after a spawn): an empty one is read again after
-/// a millisecond before it counts — unless it is a kernel thread (no environment ever), told
-/// by its parent, kthreadd (pid 2).
-fn carries(pid: Pid, needle: &[u8]) -> bool {
-    const KTHREADD: Pid = 2;
+/// Whether `pid` (not ourselves) carries the token behind `needle`, or `None` when it cannot
+/// be told yet: a process caught in the middle of an exec shows an empty environment for a
+/// moment (the new image's is not laid out yet; measured: one read in ten right after a
+/// spawn), so an empty one of a process that is not a kernel thread is to be read again.
+fn carries_now(pid: Pid, needle: &[u8]) -> Option<bool> {
     if pid == std::process::id() as Pid {
-        return false;
+        return Some(false);
     }
-    let has = |env: &[u8]| env.split(|&b| b == 0).any(|var| var == needle);
     match read_environ(pid) {
         Some(env) if env.is_empty() => {
-            let kernel = pid == KTHREADD
-                || super::read_stat(pid).map_or(true, |s| s.ppid == KTHREADD || s.ppid == 0);
-            if kernel {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-            read_environ(pid).is_some_and(|env| has(&env))
+            let kernel = super::read_stat(pid).map_or(true, |s| s.is_kernel_thread());
+            (kernel).then_some(false)
         }
-        Some(env) => has(&env),
-        None => false,
+        Some(env) => Some(env.split(|&b| b == 0).any(|var| var == needle)),
+        None => Some(false),
     }
 }
+
+/// [`carries_now`], an empty environment read again once after a millisecond.
+fn carries(pid: Pid, needle: &[u8]) -> bool {
+    carries_now(pid, needle).unwrap_or_else(|| {
+        std::thread::sleep(MID_EXEC);
+        carries_now(pid, needle) == Some(true)
+    })
+}
+
+/// How long an exec is given to lay out its environment before it is read again.
+const MID_EXEC: Duration = Duration::from_millis(1);
 
 /// Most pids [`carrier_among_recent`] probes one by one; beyond it a scan of /proc is cheaper.
 const RECENT_PROBE_LIMIT: usize = 128;

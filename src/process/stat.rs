@@ -24,12 +24,21 @@ pub struct ProcStat {
     pub pgrp: Pid,
     /// Field 6: the session id.
     pub session: Pid,
+    /// Field 9: the kernel's flags for the task (`PF_*`; see [`ProcStat::is_kernel_thread`]).
+    pub flags: u64,
     /// Field 22: start time after boot, in clock ticks. Together with the boot id it names one
     /// process for the life of the machine, which a pid alone does not.
     pub start_ticks: u64,
 }
 
 impl ProcStat {
+    /// True for a kernel thread (`PF_KTHREAD`): no user memory, no environment, ever. Told by
+    /// its flags, not its parent: in a pid namespace, pid 2 is an ordinary process.
+    pub fn is_kernel_thread(&self) -> bool {
+        const PF_KTHREAD: u64 = 0x0020_0000;
+        self.flags & PF_KTHREAD != 0
+    }
+
     /// True for a process that has exited: a zombie (`Z`) or one being torn down (`X`).
     pub fn is_zombie(&self) -> bool {
         matches!(self.state, 'Z' | 'X')
@@ -41,6 +50,7 @@ const STATE: usize = 0;
 const PPID: usize = 1;
 const PGRP: usize = 2;
 const SESSION: usize = 3;
+const FLAGS: usize = 9 - 3;
 const STARTTIME: usize = 22 - 3;
 
 /// Parses one `/proc/<pid>/stat` line.
@@ -79,6 +89,7 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, ProcessError> {
         ppid: parse_num(fields[PPID], "ppid").map_err(bad)?,
         pgrp: parse_num(fields[PGRP], "pgrp").map_err(bad)?,
         session: parse_num(fields[SESSION], "session").map_err(bad)?,
+        flags: parse_num(fields[FLAGS], "flags").map_err(bad)?,
         start_ticks: parse_num(fields[STARTTIME], "starttime").map_err(bad)?,
     })
 }
@@ -175,6 +186,7 @@ mod tests {
             ppid: 4200,
             pgrp: 4242,
             session: 4100,
+            flags: 4194304,
             start_ticks: 987654,
         }
     }
@@ -182,6 +194,21 @@ mod tests {
     #[test]
     fn parses_a_normal_line() {
         assert_eq!(parse_stat(&line("sleep")).unwrap(), expect("sleep"));
+        assert!(!expect("sleep").is_kernel_thread());
+    }
+
+    #[test]
+    fn a_kernel_thread_is_told_by_its_flags() {
+        // kthreadd's children have PF_KTHREAD (0x00200000) among their flags.
+        let text = "57 (kworker/0:1) I 2 0 0 0 -1 69238880 0 0 0 0 0 0 0 0 20 0 1 0 \
+                    120 0 0 18446744073709551615 0 0 0 0 0 0 0 2147483647 0 0 0 0 17 0 0 0 0 0 0\n";
+        assert!(parse_stat(text).unwrap().is_kernel_thread());
+        // Our own process is not one, whatever its pid or parent.
+        assert!(
+            !super::super::read_stat(std::process::id() as Pid)
+                .unwrap()
+                .is_kernel_thread()
+        );
     }
 
     #[test]
