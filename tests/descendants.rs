@@ -28,8 +28,19 @@ const WORKER: &str =
 /// Starts `serve` with reaper `grace`, assignee `w` running `sh -c worker` (plus the assignee
 /// keys in `extra`), and one task for it; returns once its worker is spawned.
 fn start_one(td: &TestDir, grace: &str, worker: &str, extra: &str) -> (Serve, Db, TaskId, Run) {
+    start_ticking(td, "100ms", grace, worker, extra)
+}
+
+/// [`start_one`] with the supervisor's `tick`.
+fn start_ticking(
+    td: &TestDir,
+    tick: &str,
+    grace: &str,
+    worker: &str,
+    extra: &str,
+) -> (Serve, Db, TaskId, Run) {
     let config = td.write_config(
-        "tick = \"100ms\"",
+        &format!("tick = {tick:?}"),
         &format!(
             "[reaper]\ngrace = {grace:?}\nkill_timeout = \"1s\"\n\n\
              [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n{extra}"
@@ -247,25 +258,13 @@ fn a_retry_never_starts_beside_an_escapee_of_the_crashed_run() {
          else exec sleep 307; fi",
         m = marks.display().to_string()
     );
-    let config = td.write_config(
-        "tick = \"3s\"",
-        &format!(
-            "[reaper]\nkill_timeout = \"1s\"\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
-             retry_exit_codes = [3]\nretry_cooldown = \"0s\"\n"
-        ),
+    let (mut serve, mut db, task, first) = start_ticking(
+        &td,
+        "3s",
+        "2m",
+        &worker,
+        "retry_exit_codes = [3]\nretry_cooldown = \"0s\"\n",
     );
-    std::fs::create_dir_all(td.data_dir()).unwrap();
-    let mut db = Db::new(td.db_path());
-    let task = db.write(|tx| {
-        Ok(tx
-            .create_task(&NewTask::titled("w").for_assignee("w"), now_millis())?
-            .id)
-    });
-    let mut serve = Serve::start(&config, "serve");
-    serve.wait_ready(&td.lock_path(), &td.db_path());
-    db.wait_event(task, "worker_spawned", SETTLE);
-    let first = db.runs(task)[0].clone();
     let escapee = wait_run_procs(&first.token, &["sleep 306"], SETTLE).remove(0);
     let _pin = escapee.pin();
 

@@ -377,22 +377,34 @@ fn create_private_dir(dir: &Path) -> std::io::Result<()> {
         }
         Ok(())
     };
-    match create() {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => existing(),
+    let created = match create() {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if let Some(parent) = dir.parent() {
                 fs::create_dir_all(parent)?;
             }
-            match create() {
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {
-                    existing()
-                }
-                other => other,
-            }
+            create()
         }
-        Err(e) => Err(e),
+        other => other,
+    };
+    match created {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => existing(),
+        other => other,
     }
+}
+
+/// Opens an existing log file with `opts`, never through a symbolic link and without waiting
+/// (a FIFO put in its place would hold an open or a read until some peer came); anything but a
+/// regular file is refused. With its metadata.
+fn open_regular(path: &Path, opts: &mut OpenOptions) -> std::io::Result<(File, std::fs::Metadata)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = opts
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    Ok((file, meta))
 }
 
 /// Opens the task's log for appending (created 0600: only the supervisor reads it; the worker
@@ -450,16 +462,8 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     let backup = backup_path(path);
     let copy_tail = || -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
-        let mut src = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(path)?;
-        let meta = src.metadata()?;
-        if !meta.is_file() {
-            return Err(std::io::Error::other("not a regular file"));
-        }
-        let len = meta.len();
-        src.seek(SeekFrom::Start(len.saturating_sub(max_bytes)))?;
+        let (mut src, meta) = open_regular(path, OpenOptions::new().read(true))?;
+        src.seek(SeekFrom::Start(meta.len().saturating_sub(max_bytes)))?;
         // A fresh file: whatever is in the backup's place (the old backup, or a FIFO that an
         // open for writing would wait on for ever) goes first.
         match fs::remove_file(&backup) {
@@ -473,10 +477,8 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&backup)?;
         std::io::copy(&mut src.take(max_bytes), &mut dst)?;
-        OpenOptions::new()
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(path)?
+        open_regular(path, OpenOptions::new().write(true))?
+            .0
             .set_len(0)
     };
     if let Err(e) = copy_tail() {
@@ -492,23 +494,13 @@ pub fn backup_path(path: &Path) -> PathBuf {
 }
 
 /// Up to `max` bytes of a log file from `offset`, and the file's size: `Ok(None)` when there is
-/// no log. Opened as [`log_tail`] opens it (never waits on a FIFO or the like). Blocking: off
-/// the actor threads.
+/// no log. Never waits on a FIFO or the like. Blocking: off the actor threads.
 pub fn read_log(path: &Path, offset: u64, max: u64) -> std::io::Result<Option<(Vec<u8>, u64)>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = match OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-        .open(path)
-    {
-        Ok(f) => f,
+    let (mut f, meta) = match open_regular(path, OpenOptions::new().read(true)) {
+        Ok(found) => found,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e),
     };
-    let meta = f.metadata()?;
-    if !meta.is_file() {
-        return Err(std::io::Error::other("not a regular file"));
-    }
     let size = meta.len();
     let mut data = Vec::new();
     if offset < size {
@@ -522,20 +514,9 @@ pub fn read_log(path: &Path, offset: u64, max: u64) -> std::io::Result<Option<(V
 /// actor thread, so it never waits: opened non-blocking, and anything but a regular file (a
 /// FIFO put in the log's place would block a read until some writer came) gives "".
 pub fn log_tail(path: &Path, n: u64) -> String {
-    use std::os::unix::fs::OpenOptionsExt;
-    let Ok(mut f) = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-    else {
+    let Ok((mut f, meta)) = open_regular(path, OpenOptions::new().read(true)) else {
         return String::new();
     };
-    let Ok(meta) = f.metadata() else {
-        return String::new();
-    };
-    if !meta.is_file() {
-        return String::new();
-    }
     let len = meta.len();
     let _ = f.seek(SeekFrom::Start(len.saturating_sub(n)));
     let mut buf = Vec::new();

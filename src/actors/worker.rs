@@ -343,8 +343,7 @@ impl WorkerActor {
         // The leader is gone; anything left of its tree is a leak nobody will clean up: the run
         // keeps its evidence until the tree has been ended off this thread and the evidence
         // cleared.
-        let group_alive = tree_alive;
-        if group_alive {
+        if tree_alive {
             self.end_tree(pidfd.clone(), true, ctx);
         }
         let store = self.store.clone();
@@ -356,7 +355,7 @@ impl WorkerActor {
             fingerprint: self.fingerprint.clone(),
             terminated: self.terminating,
             adopted: self.adopted_started_at.is_some(),
-            group_alive,
+            group_alive: tree_alive,
             log_path: self.spec.log_path.clone(),
             policy: self.policy.clone(),
             claim_next: self.claim_on_close.clone(),
@@ -382,7 +381,7 @@ impl WorkerActor {
                 Ok(refill) => {
                     // A group left behind is ended (and its evidence cleared) after this
                     // transaction, which may free the task for its retry: a pass must follow.
-                    act.refilled = refill.ran && !group_alive;
+                    act.refilled = refill.ran && !tree_alive;
                     if !refill.claims.is_empty() {
                         act.dispatcher.do_send(Claimed(refill.claims));
                     }

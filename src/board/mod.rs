@@ -361,6 +361,13 @@ impl<'a> Tx<'a> {
         // a visible share of the writer's time.
         self.conn.prepare_cached("SAVEPOINT nested")?.execute([])?;
         let mark = self.appended.map(|a| a.borrow().len());
+        // Events of an undone savepoint are never published (dropped before the rollback
+        // itself, should that fail).
+        let forget_events = || {
+            if let (Some(a), Some(mark)) = (self.appended, mark) {
+                a.borrow_mut().truncate(mark);
+            }
+        };
         let out = f(self);
         if self.ended.get().is_none() && self.conn.is_autocommit() {
             // An error in `f` rolled back the whole transaction, savepoints included (SQLite
@@ -378,9 +385,7 @@ impl<'a> Tx<'a> {
         // Rolled back early, in `f` or in a savepoint nested in it: this savepoint is gone with
         // the transaction (nothing to release or roll back to).
         if let Some(by) = self.ended.get() {
-            if let (Some(a), Some(mark)) = (self.appended, mark) {
-                a.borrow_mut().truncate(mark);
-            }
+            forget_events();
             return Err(out.err().unwrap_or_else(|| by.error()));
         }
         match out {
@@ -389,11 +394,7 @@ impl<'a> Tx<'a> {
                 Ok(v)
             }
             Err(e) => {
-                // First: should the rollback itself fail, none of these events may be
-                // published.
-                if let (Some(a), Some(mark)) = (self.appended, mark) {
-                    a.borrow_mut().truncate(mark);
-                }
+                forget_events();
                 self.conn
                     .prepare_cached("ROLLBACK TO nested")?
                     .execute([])?;

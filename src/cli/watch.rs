@@ -118,11 +118,15 @@ pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
         load_config(cli)?.logs_dir()
     };
     let path = logs_dir.join(format!("{}.log", args.id));
-    if File::open(&path).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied) {
+    let opened = File::open(&path);
+    if opened
+        .as_ref()
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied)
+    {
         return logs_by_socket(cli, args);
     }
     if !args.follow {
-        let mut file = File::open(&path).map_err(|e| {
+        let mut file = opened.map_err(|e| {
             CliError::failure(format!(
                 "no log for task {} at {}: {e}",
                 args.id,
@@ -182,13 +186,16 @@ fn write_stdout(bytes: &[u8]) -> Result<(), CliError> {
     stdout
         .write_all(bytes)
         .and_then(|_| stdout.flush())
-        .map_err(|e| {
-            if e.kind() == std::io::ErrorKind::BrokenPipe {
-                CliError::quiet()
-            } else {
-                CliError::failure(format!("cannot write to stdout: {e}"))
-            }
-        })
+        .map_err(stdout_error)
+}
+
+/// A reader that went away (`| head`) ends the command quietly; anything else is said.
+fn stdout_error(e: std::io::Error) -> CliError {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        CliError::quiet()
+    } else {
+        CliError::failure(format!("cannot write to stdout: {e}"))
+    }
 }
 
 /// Copies what is left of `file` to stdout; returns the number of bytes copied.
@@ -203,13 +210,7 @@ fn copy_to_stdout(file: &mut File) -> Result<u64, CliError> {
         if n == 0 {
             break;
         }
-        if let Err(e) = stdout.write_all(&buf[..n]) {
-            return Err(if e.kind() == std::io::ErrorKind::BrokenPipe {
-                CliError::quiet()
-            } else {
-                CliError::failure(format!("cannot write to stdout: {e}"))
-            });
-        }
+        stdout.write_all(&buf[..n]).map_err(stdout_error)?;
         total += n as u64;
     }
     stdout.flush().map_err(|_| CliError::quiet())?;
