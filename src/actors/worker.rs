@@ -50,6 +50,18 @@ const EXIT_RECORD_RETRIES: u32 = 5;
 /// 32 768, that would take over 130 000 forks a second).
 const RECENT_PROBE_MAX_AGE: Duration = Duration::from_millis(250);
 
+/// Whether the exited leader's tree outlives it, told without anything that can block (no
+/// other process's /proc file is read): members left in its group, one syscall; escapees of a
+/// `young` leader, only when every pid handed out since its own is accounted for without a
+/// read. `None` when the blocking probe must tell.
+fn tree_alive_at_once(pidfd: &PidFd, young: bool) -> Option<bool> {
+    match pidfd.group_exists_at_once()? {
+        true => Some(true),
+        false if young && descendants::recent_pids_all_ours(pidfd.pid()) => Some(false),
+        false => None,
+    }
+}
+
 /// Borrowed view of the pidfd for tokio's reactor.
 struct Watch(Arc<PidFd>);
 
@@ -295,11 +307,16 @@ impl WorkerActor {
         // on kernels before 6.9. Escapees of a young worker of ours are among the few pids
         // handed out since its start; any other — an older worker, one adopted from a previous
         // incarnation (whose escapees went to init, not to us) — takes a scan of /proc for the
-        // token. All of it may read other processes' /proc files, which can block (a process
-        // stuck on a hung file system): never on this thread.
+        // token. Reading other processes' /proc files can block (a process stuck on a hung
+        // file system): that part never runs on this thread. Most exits of a busy supervisor
+        // need none of it (`tree_alive_at_once`) and are settled here, without the hop to the
+        // blocking pool (~40 µs of CPU per exit, measured).
         let young = self
             .spawned_at
             .is_some_and(|t| t.elapsed() < RECENT_PROBE_MAX_AGE);
+        if let Some(tree_alive) = tree_alive_at_once(&pidfd, young) {
+            return self.record_exit_probed(pidfd, status, tree_alive, ctx);
+        }
         let (token, probe_fd) = (self.spec.token.clone(), pidfd.clone());
         async move {
             actix_rt::task::spawn_blocking(move || {

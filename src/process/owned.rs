@@ -13,6 +13,7 @@
 //! waits for somebody else's fork.
 
 use std::collections::HashSet;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::{Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::Pid;
@@ -31,7 +32,11 @@ fn gate() -> &'static RwLock<()> {
 }
 
 /// Held by a spawner from before its fork until it has registered the new pid.
-pub struct SpawnGuard(#[allow(dead_code)] RwLockReadGuard<'static, ()>);
+pub struct SpawnGuard {
+    _gate: RwLockReadGuard<'static, ()>,
+    /// The new child's stdout as the spawner holds it, listed in [`in_flight_stdouts`].
+    stdout: Option<RawFd>,
+}
 
 impl SpawnGuard {
     /// Marks `pid` (the child just spawned under this guard) as one whose owner will reap it.
@@ -40,9 +45,48 @@ impl SpawnGuard {
     }
 }
 
+impl Drop for SpawnGuard {
+    fn drop(&mut self) {
+        if let Some(fd) = self.stdout {
+            let mut list = stdouts();
+            if let Some(i) = list.iter().position(|&f| f == fd) {
+                list.swap_remove(i);
+            }
+        }
+    }
+}
+
 /// Taken before a spawn; see the module doc.
 pub fn spawning() -> SpawnGuard {
-    SpawnGuard(gate().read().unwrap_or_else(|p| p.into_inner()))
+    spawning_with_stdout(None)
+}
+
+/// [`spawning`] for a child whose stdout will be `stdout`, a file the spawner holds open
+/// until the guard is dropped: until the child is registered it can be told by that file
+/// (see [`in_flight_stdouts`]).
+pub fn spawning_with_stdout(stdout: Option<BorrowedFd<'_>>) -> SpawnGuard {
+    let stdout = stdout.map(|fd| fd.as_raw_fd());
+    if let Some(fd) = stdout {
+        stdouts().push(fd);
+    }
+    SpawnGuard {
+        _gate: gate().read().unwrap_or_else(|p| p.into_inner()),
+        stdout,
+    }
+}
+
+fn stdouts() -> MutexGuard<'static, Vec<RawFd>> {
+    static STDOUTS: Mutex<Vec<RawFd>> = Mutex::new(Vec::new());
+    STDOUTS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Our fds of the stdouts of children being spawned and not yet registered. A process whose
+/// own stdout is the same open file as one of them (kcmp `KCMP_FILE`) is such a child: that
+/// file was opened by a spawner of ours for it a moment ago. An fd may have been closed and
+/// reused by the time the caller compares — against a file opened afresh since, which no
+/// other process shares, so a stale entry never matches.
+pub fn in_flight_stdouts() -> Vec<RawFd> {
+    stdouts().clone()
 }
 
 /// Held by the orphan reaper: no spawn is between its fork and its registration meanwhile.
@@ -73,4 +117,24 @@ pub fn unregister(pid: Pid) {
 /// True if some owner will reap `pid`.
 pub fn is_registered(pid: Pid) -> bool {
     set().contains(&pid)
+}
+
+/// Whether our child `pid` has exited, without reaping it (`waitid` with `WNOWAIT`: it stays a
+/// zombie, its pid and group id ours, until its owner waits for it). With `block`, waits for
+/// the exit; else answers at once (false: still running). An error means it is not a child of
+/// ours (`ECHILD`) or nothing could be told.
+pub fn exited(pid: Pid, block: bool) -> std::io::Result<bool> {
+    let mut flags = libc::WEXITED | libc::WNOWAIT;
+    if !block {
+        flags |= libc::WNOHANG;
+    }
+    // SAFETY: siginfo_t is plain data, zeroed first: with WNOHANG and no exit, waitid leaves
+    // si_pid zero.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid fills `info`, which we own; WNOWAIT reaps nothing.
+    if unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, flags) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: reading a siginfo that waitid filled in (or left zeroed).
+    Ok(unsafe { info.si_pid() } != 0)
 }
