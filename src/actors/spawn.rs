@@ -7,7 +7,6 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
-use std::os::fd::AsFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -173,14 +172,10 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             )
         })?;
     }
-    // Kept here until the child is registered (see `owned::spawning_with_stdout`); the child
-    // gets duplicates, which share its open file.
     let log = open_log(&spec.log_path, spec.log_max_bytes)?;
-    let dup = || {
-        log.try_clone()
-            .map_err(|e| format!("cannot duplicate log file handle: {e}"))
-    };
-    let (log_out, log_err) = (dup()?, dup()?);
+    let log_err = log
+        .try_clone()
+        .map_err(|e| format!("cannot duplicate log file handle: {e}"))?;
 
     // A bare name is looked up here, in the PATH the worker will have: given a PATH of its own,
     // std would fall back from posix_spawn to fork + execvp in the child, and forking the
@@ -220,7 +215,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     cmd.args(args)
         .current_dir(&spec.cwd)
         .stdin(Stdio::null())
-        .stdout(log_out)
+        .stdout(log)
         .stderr(log_err)
         .process_group(0);
     // A supervisor started from inside a worker must not leak its own run's identity.
@@ -269,7 +264,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     }
     // Registered before anything can reap it (the guard spans fork to registration): the
     // orphan reaper must leave it to its actor. Other spawns proceed meanwhile.
-    let owned = process::owned::spawning_with_stdout(Some(log.as_fd()));
+    let owned = process::owned::spawning();
     let mut child = cmd
         .spawn()
         // The working directory and the user are named: a worker whose user cannot reach its

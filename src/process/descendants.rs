@@ -113,9 +113,10 @@ const RECENT_PROBE_LIMIT: usize = 128;
 /// walk goes on over the pids handed out meanwhile until none was.
 pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
     let needle = needle(token);
-    walk_recent(leader, |pid, kin| match kin {
+    walk_recent(leader, |pid| match kin(pid) {
+        Kin::Gone | Kin::SharesOurMemory => Some(false),
         Kin::Other => Some(carries(pid, &needle)),
-        _ => match super::PidFd::open(pid) {
+        Kin::Unknown => match super::PidFd::open(pid) {
             Ok(_) => Some(carries(pid, &needle)),
             Err(super::ProcessError::NoSuchProcess { .. }) => Some(false),
             // Out of fds, say: nothing told about this pid; the caller scans instead.
@@ -124,58 +125,60 @@ pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
     })
 }
 
-/// True when none of the pids handed out after `leader`'s can be a live descendant of it,
-/// told without reading any other process's /proc file — so it never blocks, and an actor
-/// thread may ask: each is gone, one of our registered children, shares our address space
-/// (see `kin`), or is a child of ours just started by a spawner (see `just_spawned`). False
-/// means "cannot tell this way": ask [`carrier_among_recent`]. The same age rule applies to
-/// `leader` as there. In a busy supervisor this settles nearly every exit: the pids after a
-/// young worker's are other workers, some of them not registered yet.
-pub fn recent_pids_all_ours(leader: Pid) -> bool {
-    walk_recent(leader, |pid, kin| {
-        (matches!(kin, Kin::Other) && just_spawned(pid)).then_some(false)
-    }) == Some(false)
+/// What [`recent_pids_all_ours`] tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recent {
+    /// None of the pids can be a live descendant of the leader.
+    AllOurs,
+    /// One is a live child of ours, not registered, while a spawn is under way: most likely
+    /// the worker being started, registered in a moment (`owned::registrations`) — ask again
+    /// then.
+    Starting,
+    /// Cannot be told this way: ask [`carrier_among_recent`].
+    Unknown,
 }
 
-/// Whether `pid` is a child of ours that no run's tree can hold: one that has exited (a zombie
-/// runs nothing), or a worker a spawner of ours is starting and has not registered yet — its
-/// stdout is the open file that spawner made for it (`owned::in_flight_stdouts`, compared with
-/// kcmp `KCMP_FILE`). One `waitid` that neither waits nor reaps, and a kcmp per spawn in flight.
-fn just_spawned(pid: Pid) -> bool {
-    /// `KCMP_FILE` of `enum kcmp_type` (linux/kcmp.h).
-    const KCMP_FILE: libc::c_long = 0;
-    match super::owned::exited(pid, false) {
-        Ok(true) => return true,
-        Ok(false) => {}
-        // Not our child, or nothing told.
-        Err(_) => return false,
+/// Whether a pid handed out after `leader`'s can be a live descendant of it, told with calls
+/// that never wait on another process — so an actor thread may ask: each pid is gone, one of
+/// our registered children, or a child of ours that has exited (a zombie runs nothing;
+/// `waitid` with `WNOHANG | WNOWAIT`, which reaps nothing). Nothing that reads another
+/// process's /proc files, nor kcmp(2): both wait for a process in the middle of an exec, and
+/// an exec can hang for good (closing a file on a hung FUSE or NFS mount). The same age rule
+/// applies to `leader` as for [`carrier_among_recent`]. In a busy supervisor most exits are
+/// settled by it, at once or once the workers being started are registered: the pids after a
+/// young worker's are mostly other workers.
+pub fn recent_pids_all_ours(leader: Pid) -> Recent {
+    let mut starting = false;
+    let walked = walk_recent(leader, |pid| {
+        match super::owned::exited(pid, false) {
+            // Our child, dead.
+            Ok(true) => return Some(false),
+            // Our child, alive and not registered: a worker being started, or an orphan.
+            Ok(false) if super::owned::spawns_in_flight() => {
+                starting = true;
+                return Some(false);
+            }
+            Ok(false) => return None,
+            Err(_) => {}
+        }
+        // Not our child: only a pid nobody holds is accounted for. pidfd_open looks the pid up
+        // and waits for nobody.
+        match super::PidFd::open(pid) {
+            Err(super::ProcessError::NoSuchProcess { .. }) => Some(false),
+            _ => None,
+        }
+    });
+    match walked {
+        Some(false) if starting => Recent::Starting,
+        Some(false) => Recent::AllOurs,
+        _ => Recent::Unknown,
     }
-    super::owned::in_flight_stdouts()
-        .into_iter()
-        .any(|fd| kcmp(pid, KCMP_FILE, fd, libc::STDOUT_FILENO) == 0)
 }
 
-/// kcmp(2) of a resource of ours with one of `pid`'s: 0 the same, 1..=3 different (an order),
-/// -1 with errno on failure. `idx1` and `idx2` are fds for `KCMP_FILE`, unused otherwise.
-fn kcmp(pid: Pid, kind: libc::c_long, idx1: libc::c_int, idx2: libc::c_int) -> libc::c_long {
-    let me = std::process::id() as libc::c_long;
-    // SAFETY: kcmp only compares kernel objects of two tasks; no memory is passed.
-    unsafe {
-        libc::syscall(
-            libc::SYS_kcmp,
-            me,
-            pid as libc::c_long,
-            kind,
-            idx1 as libc::c_long,
-            idx2 as libc::c_long,
-        )
-    }
-}
-
-/// The walk of [`carrier_among_recent`]: `other` is asked about each pid the cheap checks do
-/// not settle (`Kin::Other` or `Kin::Unknown`) — `Some(true)` a carrier (the walk ends with
-/// it), `Some(false)` not one, `None` cannot tell (the walk gives up).
-fn walk_recent(leader: Pid, mut other: impl FnMut(Pid, Kin) -> Option<bool>) -> Option<bool> {
+/// The walk of [`carrier_among_recent`] and [`recent_pids_all_ours`]: `unregistered` is asked
+/// about each pid that is not one of our registered children — `Some(true)` a carrier (the
+/// walk ends with it), `Some(false)` not one, `None` cannot tell (the walk gives up).
+fn walk_recent(leader: Pid, mut unregistered: impl FnMut(Pid) -> Option<bool>) -> Option<bool> {
     /// Where the numbering restarts after a wrap (the kernel's RESERVED_PIDS).
     const FIRST_AFTER_WRAP: Pid = 300;
     let mut last = last_pid()?;
@@ -205,13 +208,8 @@ fn walk_recent(leader: Pid, mut other: impl FnMut(Pid, Kin) -> Option<bool>) -> 
             if super::owned::is_registered(pid) {
                 continue;
             }
-            match kin(pid) {
-                Kin::Gone | Kin::SharesOurMemory => {}
-                kin => {
-                    if other(pid, kin)? {
-                        return Some(true);
-                    }
-                }
+            if unregistered(pid)? {
+                return Some(true);
             }
         }
         match last_pid()? {
@@ -241,7 +239,10 @@ enum Kin {
 fn kin(pid: Pid) -> Kin {
     /// `KCMP_VM` of `enum kcmp_type` (linux/kcmp.h).
     const KCMP_VM: libc::c_long = 1;
-    match kcmp(pid, KCMP_VM, 0, 0) {
+    let me = std::process::id() as libc::c_long;
+    // SAFETY: kcmp only compares kernel objects of two tasks; no memory is passed.
+    let r = unsafe { libc::syscall(libc::SYS_kcmp, me, pid as libc::c_long, KCMP_VM, 0, 0) };
+    match r {
         0 => Kin::SharesOurMemory,
         1..=3 => Kin::Other,
         _ if std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) => Kin::Gone,
@@ -526,46 +527,9 @@ mod tests {
     }
 
     #[test]
-    fn just_spawned_tells_a_child_being_started_or_dead_from_any_other() {
-        use std::os::fd::AsFd;
-        use std::process::{Command, Stdio};
-        let dir = tempfile::tempdir().unwrap();
-        let log = fs::File::create(dir.path().join("log")).unwrap();
-        let start = |out: Stdio| {
-            Command::new("sleep")
-                .arg("30")
-                .stdin(Stdio::null())
-                .stdout(out)
-                .spawn()
-                .unwrap()
-        };
-        // A live child of ours with another stdout: it could be anybody's escapee.
-        let mut other = start(Stdio::null());
-        assert!(!just_spawned(other.id() as Pid));
-        // A spawn in flight whose child's stdout is `log`: that child is told, the other not.
-        let guard = super::super::owned::spawning_with_stdout(Some(log.as_fd()));
-        let mut fresh = start(Stdio::from(log.try_clone().unwrap()));
-        assert!(just_spawned(fresh.id() as Pid));
-        assert!(!just_spawned(other.id() as Pid));
-        // Once its spawner is done with it (registered, in real use) it is not told this way.
-        drop(guard);
-        assert!(!just_spawned(fresh.id() as Pid));
-        // A child that has exited, not yet reaped, runs nothing.
-        other.kill().unwrap();
-        // Waits for its exit, leaving it unreaped.
-        assert!(super::super::owned::exited(other.id() as Pid, true).unwrap());
-        assert!(just_spawned(other.id() as Pid));
-        // Not our child: never.
-        assert!(!just_spawned(1));
-        for child in [&mut other, &mut fresh] {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    #[test]
-    fn recent_pids_all_ours_only_when_every_later_pid_is_accounted_for() {
-        use std::process::{Command, Stdio};
+    fn recent_pids_all_ours_accounts_for_registered_reaped_and_dead_children_only() {
+        use super::super::owned;
+        use std::process::{Child, Command, Stdio};
         let start = || {
             Command::new("sleep")
                 .arg("30")
@@ -573,37 +537,41 @@ mod tests {
                 .spawn()
                 .unwrap()
         };
-        let mut leader = start();
-        let mut stranger = start();
-        let (leader_pid, stranger_pid) = (leader.id() as Pid, stranger.id() as Pid);
-        // A live process after the leader that no cheap check accounts for: ask the long way.
-        assert!(!recent_pids_all_ours(leader_pid));
-        // Registered, as a worker of ours is, it is accounted for. Parallel tests' processes
-        // may fall in the range too; the answer is then false, so a few fresh leaders are tried.
-        super::super::owned::register(stranger_pid);
-        let mut quiet = recent_pids_all_ours(leader_pid);
-        super::super::owned::unregister(stranger_pid);
-        for child in [&mut leader, &mut stranger] {
+        let end = |child: &mut Child| {
             let _ = child.kill();
             let _ = child.wait();
-        }
+        };
+        // Processes of parallel tests may take pids in the range too (the answer is then
+        // false): a few rounds are tried, each with a fresh leader.
+        let mut settled = false;
         for _ in 0..50 {
-            if quiet {
-                break;
-            }
             let mut leader = start();
-            let mut after = start();
-            super::super::owned::register(after.id() as Pid);
-            quiet = recent_pids_all_ours(leader.id() as Pid);
-            super::super::owned::unregister(after.id() as Pid);
-            for child in [&mut leader, &mut after] {
-                let _ = child.kill();
-                let _ = child.wait();
+            let (mut alive, mut registered, mut reaped) = (start(), start(), start());
+            owned::register(registered.id() as Pid);
+            end(&mut reaped);
+            // A live child of ours that is not registered: an orphan, or — while a spawn is
+            // under way — perhaps its child, to be asked about again once registered.
+            assert_ne!(recent_pids_all_ours(leader.id() as Pid), Recent::AllOurs);
+            let spawn = owned::spawning();
+            let during_spawn = recent_pids_all_ours(leader.id() as Pid);
+            drop(spawn);
+            assert_ne!(during_spawn, Recent::AllOurs);
+            // Once it has exited (not yet reaped) it runs nothing.
+            alive.kill().unwrap();
+            assert!(owned::exited(alive.id() as Pid, true).unwrap());
+            settled = during_spawn == Recent::Starting
+                && recent_pids_all_ours(leader.id() as Pid) == Recent::AllOurs;
+            owned::unregister(registered.id() as Pid);
+            for child in [&mut leader, &mut alive, &mut registered] {
+                end(child);
+            }
+            if settled {
+                break;
             }
         }
         assert!(
-            quiet,
-            "never true in 51 tries with only registered pids after the leader"
+            settled,
+            "never told Starting, then AllOurs, in 50 rounds with only registered, reaped and dead children after the leader"
         );
     }
 

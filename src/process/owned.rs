@@ -13,7 +13,7 @@
 //! waits for somebody else's fork.
 
 use std::collections::HashSet;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::Pid;
@@ -32,11 +32,7 @@ fn gate() -> &'static RwLock<()> {
 }
 
 /// Held by a spawner from before its fork until it has registered the new pid.
-pub struct SpawnGuard {
-    _gate: RwLockReadGuard<'static, ()>,
-    /// The new child's stdout as the spawner holds it, listed in [`in_flight_stdouts`].
-    stdout: Option<RawFd>,
-}
+pub struct SpawnGuard(#[allow(dead_code)] RwLockReadGuard<'static, ()>);
 
 impl SpawnGuard {
     /// Marks `pid` (the child just spawned under this guard) as one whose owner will reap it.
@@ -47,46 +43,31 @@ impl SpawnGuard {
 
 impl Drop for SpawnGuard {
     fn drop(&mut self) {
-        if let Some(fd) = self.stdout {
-            let mut list = stdouts();
-            if let Some(i) = list.iter().position(|&f| f == fd) {
-                list.swap_remove(i);
-            }
-        }
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
     }
 }
+
+/// Spawns between their fork and the registration of their child (live [`SpawnGuard`]s).
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 
 /// Taken before a spawn; see the module doc.
 pub fn spawning() -> SpawnGuard {
-    spawning_with_stdout(None)
+    IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+    SpawnGuard(gate().read().unwrap_or_else(|p| p.into_inner()))
 }
 
-/// [`spawning`] for a child whose stdout will be `stdout`, a file the spawner holds open
-/// until the guard is dropped: until the child is registered it can be told by that file
-/// (see [`in_flight_stdouts`]).
-pub fn spawning_with_stdout(stdout: Option<BorrowedFd<'_>>) -> SpawnGuard {
-    let stdout = stdout.map(|fd| fd.as_raw_fd());
-    if let Some(fd) = stdout {
-        stdouts().push(fd);
-    }
-    SpawnGuard {
-        _gate: gate().read().unwrap_or_else(|p| p.into_inner()),
-        stdout,
-    }
+/// True while some spawn is between its fork and the registration of its child: a child of
+/// ours that is neither registered nor dead may then be that child rather than an orphan.
+pub fn spawns_in_flight() -> bool {
+    IN_FLIGHT.load(Ordering::SeqCst) > 0
 }
 
-fn stdouts() -> MutexGuard<'static, Vec<RawFd>> {
-    static STDOUTS: Mutex<Vec<RawFd>> = Mutex::new(Vec::new());
-    STDOUTS.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Our fds of the stdouts of children being spawned and not yet registered. A process whose
-/// own stdout is the same open file as one of them (kcmp `KCMP_FILE`) is such a child: that
-/// file was opened by a spawner of ours for it a moment ago. An fd may have been closed and
-/// reused by the time the caller compares — against a file opened afresh since, which no
-/// other process shares, so a stale entry never matches.
-pub fn in_flight_stdouts() -> Vec<RawFd> {
-    stdouts().clone()
+/// Notified at every registration: who waits for an unregistered child of ours to be
+/// registered (see `descendants::recent_pids_all_ours`) creates its `notified()` future before
+/// it looks, so no registration in between is missed.
+pub fn registrations() -> &'static tokio::sync::Notify {
+    static NOTIFY: tokio::sync::Notify = tokio::sync::Notify::const_new();
+    &NOTIFY
 }
 
 /// Held by the orphan reaper: no spawn is between its fork and its registration meanwhile.
@@ -107,6 +88,7 @@ pub fn reaping() -> ReapGuard {
 /// Marks `pid` as a child whose owner will reap it.
 pub fn register(pid: Pid) {
     set().insert(pid);
+    registrations().notify_waiters();
 }
 
 /// The owner has reaped `pid` (or given up on it).
