@@ -289,8 +289,19 @@ fn group_done(pgid: i32, deadline: Instant, stopping: &HooksStop) -> bool {
 }
 
 /// True once our child `pid` has exited, leaving it unreaped (WNOWAIT): its pid, and so its
-/// group's id, stays ours to signal until `Child::wait`. An error (none should come for our
-/// own child) counts as exited: the caller then ends the group and reaps.
+/// group's id, stays ours to signal until `Child::wait`.
 fn exited_unreaped(pid: i32) -> bool {
-    process::owned::exited(pid, false).unwrap_or(true)
+    // SAFETY: waitid fills `info`, a plain C struct we own.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // With WNOHANG, a child that has not exited leaves si_pid zero. An error (none should
+    // come for our own child) counts as exited: the caller then ends the group and reaps.
+    r != 0 || unsafe { info.si_pid() } != 0
 }

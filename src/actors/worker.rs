@@ -50,52 +50,6 @@ const EXIT_RECORD_RETRIES: u32 = 5;
 /// 32 768, that would take over 130 000 forks a second).
 const RECENT_PROBE_MAX_AGE: Duration = Duration::from_millis(250);
 
-/// How long an exit waits for the workers being started to be registered before its tree is
-/// looked for the long way (see [`tree_alive_at_once`]).
-const STARTS_WAIT: Duration = Duration::from_millis(5);
-
-/// What the exited leader's tree is known to be without the blocking probe.
-enum AtOnce {
-    Known(bool),
-    /// Ask again once the workers being started are registered.
-    AfterStarts,
-    /// The blocking probe must tell.
-    Unknown,
-}
-
-/// Whether the exited leader's tree outlives it, told with calls that never wait on another
-/// process (no /proc file of another process is read, no kcmp: see
-/// `descendants::recent_pids_all_ours`): members left in its group, one syscall; escapees of a
-/// `young` leader, only when every pid handed out since its own is accounted for that way.
-fn tree_alive_at_once(pidfd: &PidFd, young: bool) -> AtOnce {
-    use descendants::Recent;
-    match pidfd.group_exists_at_once() {
-        Some(true) => AtOnce::Known(true),
-        Some(false) if young => match descendants::recent_pids_all_ours(pidfd.pid()) {
-            Recent::AllOurs => AtOnce::Known(false),
-            Recent::Starting => AtOnce::AfterStarts,
-            Recent::Unknown => AtOnce::Unknown,
-        },
-        _ => AtOnce::Unknown,
-    }
-}
-
-/// [`tree_alive_at_once`], asked again after each registration of a new worker while the
-/// answer is [`AtOnce::AfterStarts`], for up to [`STARTS_WAIT`]; `None` if still not known.
-async fn tree_alive_after_starts(pidfd: Arc<PidFd>) -> Option<bool> {
-    let deadline = tokio::time::Instant::now() + STARTS_WAIT;
-    loop {
-        // Created before the look, so a registration in between is not missed.
-        let registered = process::owned::registrations().notified();
-        match tree_alive_at_once(&pidfd, true) {
-            AtOnce::Known(alive) => return Some(alive),
-            AtOnce::Unknown => return None,
-            AtOnce::AfterStarts => {}
-        }
-        tokio::time::timeout_at(deadline, registered).await.ok()?;
-    }
-}
-
 /// Borrowed view of the pidfd for tokio's reactor.
 struct Watch(Arc<PidFd>);
 
@@ -341,36 +295,11 @@ impl WorkerActor {
         // on kernels before 6.9. Escapees of a young worker of ours are among the few pids
         // handed out since its start; any other — an older worker, one adopted from a previous
         // incarnation (whose escapees went to init, not to us) — takes a scan of /proc for the
-        // token. Reading other processes' /proc files can block (a process stuck on a hung
-        // file system): that part never runs on this thread. Most exits of a busy supervisor
-        // need none of it (`tree_alive_at_once`) and are settled here, without the hop to the
-        // blocking pool (~40 µs of CPU per exit, measured).
+        // token. All of it may read other processes' /proc files, which can block (a process
+        // stuck on a hung file system): never on this thread.
         let young = self
             .spawned_at
             .is_some_and(|t| t.elapsed() < RECENT_PROBE_MAX_AGE);
-        match tree_alive_at_once(&pidfd, young) {
-            AtOnce::Known(tree_alive) => self.record_exit_probed(pidfd, status, tree_alive, ctx),
-            AtOnce::Unknown => self.probe_tree(pidfd, status, young, ctx),
-            // A worker being started is among the pids: registered in a moment (its spawner
-            // has it), after which the pids are looked at again.
-            AtOnce::AfterStarts => tree_alive_after_starts(pidfd.clone())
-                .into_actor(self)
-                .map(move |known, act, ctx| match known {
-                    Some(tree_alive) => act.record_exit_probed(pidfd, status, tree_alive, ctx),
-                    None => act.probe_tree(pidfd, status, young, ctx),
-                })
-                .wait(ctx),
-        }
-    }
-
-    /// [`Self::record_exit`] with the tree looked for on the blocking pool.
-    fn probe_tree(
-        &mut self,
-        pidfd: Arc<PidFd>,
-        status: Option<ExitStatus>,
-        young: bool,
-        ctx: &mut Context<Self>,
-    ) {
         let (token, probe_fd) = (self.spec.token.clone(), pidfd.clone());
         async move {
             actix_rt::task::spawn_blocking(move || {

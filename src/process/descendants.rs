@@ -112,75 +112,9 @@ const RECENT_PROBE_LIMIT: usize = 128;
 /// while the pids are walked (a double fork, a process that keeps moving to a new pid): the
 /// walk goes on over the pids handed out meanwhile until none was.
 pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
-    let needle = needle(token);
-    walk_recent(leader, |pid| match kin(pid) {
-        Kin::Gone | Kin::SharesOurMemory => Some(false),
-        Kin::Other => Some(carries(pid, &needle)),
-        Kin::Unknown => match super::PidFd::open(pid) {
-            Ok(_) => Some(carries(pid, &needle)),
-            Err(super::ProcessError::NoSuchProcess { .. }) => Some(false),
-            // Out of fds, say: nothing told about this pid; the caller scans instead.
-            Err(_) => None,
-        },
-    })
-}
-
-/// What [`recent_pids_all_ours`] tells.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Recent {
-    /// None of the pids can be a live descendant of the leader.
-    AllOurs,
-    /// One is a live child of ours, not registered, while a spawn is under way: most likely
-    /// the worker being started, registered in a moment (`owned::registrations`) — ask again
-    /// then.
-    Starting,
-    /// Cannot be told this way: ask [`carrier_among_recent`].
-    Unknown,
-}
-
-/// Whether a pid handed out after `leader`'s can be a live descendant of it, told with calls
-/// that never wait on another process — so an actor thread may ask: each pid is gone, one of
-/// our registered children, or a child of ours that has exited (a zombie runs nothing;
-/// `waitid` with `WNOHANG | WNOWAIT`, which reaps nothing). Nothing that reads another
-/// process's /proc files, nor kcmp(2): both wait for a process in the middle of an exec, and
-/// an exec can hang for good (closing a file on a hung FUSE or NFS mount). The same age rule
-/// applies to `leader` as for [`carrier_among_recent`]. In a busy supervisor most exits are
-/// settled by it, at once or once the workers being started are registered: the pids after a
-/// young worker's are mostly other workers.
-pub fn recent_pids_all_ours(leader: Pid) -> Recent {
-    let mut starting = false;
-    let walked = walk_recent(leader, |pid| {
-        match super::owned::exited(pid, false) {
-            // Our child, dead.
-            Ok(true) => return Some(false),
-            // Our child, alive and not registered: a worker being started, or an orphan.
-            Ok(false) if super::owned::spawns_in_flight() => {
-                starting = true;
-                return Some(false);
-            }
-            Ok(false) => return None,
-            Err(_) => {}
-        }
-        // Not our child: only a pid nobody holds is accounted for. pidfd_open looks the pid up
-        // and waits for nobody.
-        match super::PidFd::open(pid) {
-            Err(super::ProcessError::NoSuchProcess { .. }) => Some(false),
-            _ => None,
-        }
-    });
-    match walked {
-        Some(false) if starting => Recent::Starting,
-        Some(false) => Recent::AllOurs,
-        _ => Recent::Unknown,
-    }
-}
-
-/// The walk of [`carrier_among_recent`] and [`recent_pids_all_ours`]: `unregistered` is asked
-/// about each pid that is not one of our registered children — `Some(true)` a carrier (the
-/// walk ends with it), `Some(false)` not one, `None` cannot tell (the walk gives up).
-fn walk_recent(leader: Pid, mut unregistered: impl FnMut(Pid) -> Option<bool>) -> Option<bool> {
     /// Where the numbering restarts after a wrap (the kernel's RESERVED_PIDS).
     const FIRST_AFTER_WRAP: Pid = 300;
+    let needle = needle(token);
     let mut last = last_pid()?;
     // Read when the walk must wrap to reach `last`.
     let mut max: Option<Pid> = None;
@@ -208,8 +142,16 @@ fn walk_recent(leader: Pid, mut unregistered: impl FnMut(Pid) -> Option<bool>) -
             if super::owned::is_registered(pid) {
                 continue;
             }
-            if unregistered(pid)? {
-                return Some(true);
+            match kin(pid) {
+                Kin::Gone | Kin::SharesOurMemory => {}
+                Kin::Other if carries(pid, &needle) => return Some(true),
+                Kin::Other => {}
+                Kin::Unknown => match super::PidFd::open(pid) {
+                    Ok(_) if carries(pid, &needle) => return Some(true),
+                    Ok(_) | Err(super::ProcessError::NoSuchProcess { .. }) => {}
+                    // Out of fds, say: nothing told about this pid; the caller scans instead.
+                    Err(_) => return None,
+                },
             }
         }
         match last_pid()? {
@@ -524,55 +466,6 @@ mod tests {
             let _ = child.kill();
             let _ = child.wait();
         }
-    }
-
-    #[test]
-    fn recent_pids_all_ours_accounts_for_registered_reaped_and_dead_children_only() {
-        use super::super::owned;
-        use std::process::{Child, Command, Stdio};
-        let start = || {
-            Command::new("sleep")
-                .arg("30")
-                .stdin(Stdio::null())
-                .spawn()
-                .unwrap()
-        };
-        let end = |child: &mut Child| {
-            let _ = child.kill();
-            let _ = child.wait();
-        };
-        // Processes of parallel tests may take pids in the range too (the answer is then
-        // false): a few rounds are tried, each with a fresh leader.
-        let mut settled = false;
-        for _ in 0..50 {
-            let mut leader = start();
-            let (mut alive, mut registered, mut reaped) = (start(), start(), start());
-            owned::register(registered.id() as Pid);
-            end(&mut reaped);
-            // A live child of ours that is not registered: an orphan, or — while a spawn is
-            // under way — perhaps its child, to be asked about again once registered.
-            assert_ne!(recent_pids_all_ours(leader.id() as Pid), Recent::AllOurs);
-            let spawn = owned::spawning();
-            let during_spawn = recent_pids_all_ours(leader.id() as Pid);
-            drop(spawn);
-            assert_ne!(during_spawn, Recent::AllOurs);
-            // Once it has exited (not yet reaped) it runs nothing.
-            alive.kill().unwrap();
-            assert!(owned::exited(alive.id() as Pid, true).unwrap());
-            settled = during_spawn == Recent::Starting
-                && recent_pids_all_ours(leader.id() as Pid) == Recent::AllOurs;
-            owned::unregister(registered.id() as Pid);
-            for child in [&mut leader, &mut alive, &mut registered] {
-                end(child);
-            }
-            if settled {
-                break;
-            }
-        }
-        assert!(
-            settled,
-            "never told Starting, then AllOurs, in 50 rounds with only registered, reaped and dead children after the leader"
-        );
     }
 
     #[test]

@@ -111,19 +111,6 @@ impl PidFd {
                 .is_ok()
     }
 
-    /// [`PidFd::group_exists`] only where the kernel tells it in one syscall (Linux ≥ 6.9);
-    /// `None` where it would take the `/proc` scan, or failed. For callers that must not block.
-    pub fn group_exists_at_once(&self) -> Option<bool> {
-        if group_fallback::use_fallback() {
-            return None;
-        }
-        match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
-            Ok(()) => Some(true),
-            Err(ProcessError::NoSuchProcess { .. }) => Some(false),
-            Err(_) => None,
-        }
-    }
-
     /// Whether the group still has any member, zombies included: signal 0 to the group, which
     /// checks delivery without sending anything (a `/proc` scan on kernels before 6.9).
     pub fn group_exists(&self) -> Result<bool, ProcessError> {
