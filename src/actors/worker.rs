@@ -50,6 +50,67 @@ const EXIT_RECORD_RETRIES: u32 = 5;
 /// 32 768, that would take over 130 000 forks a second).
 const RECENT_PROBE_MAX_AGE: Duration = Duration::from_millis(250);
 
+/// How long an exit waits for its tree probe before it is recorded as if the tree outlived the
+/// leader (the run keeps its evidence; the tree is ended, and the evidence cleared, later). A
+/// probe answers in about a millisecond; one that does not is stuck on a process that cannot
+/// be read — one in the middle of an exec that closes a file on a hung FUSE or NFS mount
+/// holds its /proc files (and `kcmp`) until the mount answers.
+const EXIT_PROBE_WAIT: Duration = Duration::from_secs(5);
+
+/// Tree probes running at once. A stuck probe holds its blocking thread for as long as the
+/// process it reads is stuck; bounded, stuck probes cannot take every thread of the pool
+/// (which the store's reads for the control socket use too).
+const EXIT_PROBES: usize = 8;
+
+/// Test hook: a stall (in milliseconds) every exit probe takes first, as one stuck on an
+/// unreadable process would. Zero: none.
+static PROBE_STALL_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Test hook: makes every worker-exit tree probe of this process stall for `stall` before it
+/// looks (see [`EXIT_PROBE_WAIT`]). Process-wide: for a test binary of its own.
+#[doc(hidden)]
+pub fn stall_exit_probes(stall: Duration) {
+    PROBE_STALL_MS.store(
+        stall.as_millis() as u64,
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
+
+/// Whether an exited leader's tree outlives it: members left in its group, or descendants
+/// that escaped it carrying the run's token (among the pids handed out since a `young`
+/// leader's, else anywhere in /proc). Blocking: reads other processes' /proc files.
+fn tree_outlives_leader(pidfd: &PidFd, token: &str, young: bool) -> bool {
+    let stall = PROBE_STALL_MS.load(std::sync::atomic::Ordering::SeqCst);
+    if stall > 0 {
+        std::thread::sleep(Duration::from_millis(stall));
+    }
+    pidfd.group_exists().unwrap_or(true)
+        || young
+            .then(|| descendants::carrier_among_recent(pidfd.pid(), token))
+            .flatten()
+            .unwrap_or_else(|| !descendants::find_by_token(token).is_empty())
+}
+
+/// [`tree_outlives_leader`] on the blocking pool, at most [`EXIT_PROBES`] at once, answered
+/// within [`EXIT_PROBE_WAIT`]: `None` when it was not (or the probe died).
+async fn probe_tree(pidfd: Arc<PidFd>, token: String, young: bool) -> Option<bool> {
+    static SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(EXIT_PROBES);
+    let probe = async {
+        let slot = SLOTS.acquire().await.ok()?;
+        actix_rt::task::spawn_blocking(move || {
+            // Held until the probe returns, however long it is stuck.
+            let _slot = slot;
+            tree_outlives_leader(&pidfd, &token, young)
+        })
+        .await
+        .ok()
+    };
+    tokio::time::timeout(EXIT_PROBE_WAIT, probe)
+        .await
+        .ok()
+        .flatten()
+}
+
 /// Borrowed view of the pidfd for tokio's reactor.
 struct Watch(Arc<PidFd>);
 
@@ -296,22 +357,21 @@ impl WorkerActor {
         // handed out since its start; any other — an older worker, one adopted from a previous
         // incarnation (whose escapees went to init, not to us) — takes a scan of /proc for the
         // token. All of it may read other processes' /proc files, which can block (a process
-        // stuck on a hung file system): never on this thread.
+        // stuck on a hung file system): never on this thread, and never waited for long.
         let young = self
             .spawned_at
             .is_some_and(|t| t.elapsed() < RECENT_PROBE_MAX_AGE);
-        let (token, probe_fd) = (self.spec.token.clone(), pidfd.clone());
+        let (token, probe_fd, run_id) = (self.spec.token.clone(), pidfd.clone(), self.run_id());
         async move {
-            actix_rt::task::spawn_blocking(move || {
-                probe_fd.group_exists().unwrap_or(true)
-                    || young
-                        .then(|| descendants::carrier_among_recent(probe_fd.pid(), &token))
-                        .flatten()
-                        .unwrap_or_else(|| !descendants::find_by_token(&token).is_empty())
-            })
-            .await
-            // A probe that died proves nothing: keep the evidence and end the tree.
-            .unwrap_or(true)
+            match probe_tree(probe_fd, token, young).await {
+                Some(alive) => alive,
+                None => {
+                    // Nothing proven: keep the evidence and end the tree (off this thread; it
+                    // clears the evidence once it is done).
+                    tracing::warn!(run_id, "worker: no answer from the probe for the exited worker's descendants (a process stuck on a hung file system?); its run keeps its worker evidence until they are known gone");
+                    true
+                }
+            }
         }
         .into_actor(self)
         .map(move |tree_alive, act, ctx| act.record_exit_probed(pidfd, status, tree_alive, ctx))
