@@ -57,11 +57,6 @@ const RECENT_PROBE_MAX_AGE: Duration = Duration::from_millis(250);
 /// holds its /proc files (and `kcmp`) until the mount answers.
 const EXIT_PROBE_WAIT: Duration = Duration::from_secs(5);
 
-/// Tree probes running at once. A stuck probe holds its blocking thread for as long as the
-/// process it reads is stuck; bounded, stuck probes cannot take every thread of the pool
-/// (which the store's reads for the control socket use too).
-const EXIT_PROBES: usize = 8;
-
 /// Test hook: a stall (in milliseconds) every exit probe takes first, as one stuck on an
 /// unreadable process would. Zero: none.
 static PROBE_STALL_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -91,24 +86,17 @@ fn tree_outlives_leader(pidfd: &PidFd, token: &str, young: bool) -> bool {
             .unwrap_or_else(|| !descendants::find_by_token(token).is_empty())
 }
 
-/// [`tree_outlives_leader`] on the blocking pool, at most [`EXIT_PROBES`] at once, answered
-/// within [`EXIT_PROBE_WAIT`]: `None` when it was not (or the probe died).
+/// [`tree_outlives_leader`] on the blocking pool, answered within [`EXIT_PROBE_WAIT`]: `None`
+/// when it was not (or the probe died). A probe that is stuck keeps its blocking thread until
+/// the process it reads can be read again (as it did before this bound; the tree end that
+/// follows such an exit does the same): not bounded here, since a bound on the probes would
+/// make healthy exits wait for stuck ones.
 async fn probe_tree(pidfd: Arc<PidFd>, token: String, young: bool) -> Option<bool> {
-    static SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(EXIT_PROBES);
-    let probe = async {
-        let slot = SLOTS.acquire().await.ok()?;
-        actix_rt::task::spawn_blocking(move || {
-            // Held until the probe returns, however long it is stuck.
-            let _slot = slot;
-            tree_outlives_leader(&pidfd, &token, young)
-        })
-        .await
-        .ok()
-    };
+    let probe = actix_rt::task::spawn_blocking(move || tree_outlives_leader(&pidfd, &token, young));
     tokio::time::timeout(EXIT_PROBE_WAIT, probe)
         .await
+        .ok()?
         .ok()
-        .flatten()
 }
 
 /// Borrowed view of the pidfd for tokio's reactor.
