@@ -1,6 +1,6 @@
 //! A worker's exit is recorded even when the probe for its escaped descendants never answers
-//! (it reads other processes' /proc files; one stuck in an exec on a hung FUSE or NFS mount
-//! holds them until the mount answers): after a bounded wait the run closes as if its tree
+//! (it reads other processes' environments in /proc; one stuck in an exec on a hung FUSE or
+//! NFS mount makes that read wait until the mount answers): after a bounded wait the run closes as if its tree
 //! had outlived the leader — evidence kept — and the tree is ended and the evidence cleared
 //! afterwards. The stall is the library's test hook (process-wide: this file is its own test
 //! binary); it stalls the exit's probe only, not the tree end after it (with a real hung mount

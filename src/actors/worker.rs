@@ -5,6 +5,7 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -53,29 +54,26 @@ const RECENT_PROBE_MAX_AGE: Duration = Duration::from_millis(250);
 /// How long an exit waits for its tree probe before it is recorded as if the tree outlived the
 /// leader (the run keeps its evidence; the tree is ended, and the evidence cleared, later). A
 /// probe answers in about a millisecond; one that does not is stuck on a process that cannot
-/// be read — one in the middle of an exec that closes a file on a hung FUSE or NFS mount
-/// holds its /proc files (and `kcmp`) until the mount answers.
+/// be read — one in the middle of an exec that closes a file on a hung FUSE or NFS mount makes
+/// an open of its `/proc/<pid>/environ` (and `kcmp`) wait until the mount answers.
 const EXIT_PROBE_WAIT: Duration = Duration::from_secs(5);
 
 /// Test hook: a stall (in milliseconds) every exit probe takes first, as one stuck on an
 /// unreadable process would. Zero: none.
-static PROBE_STALL_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static PROBE_STALL_MS: AtomicU64 = AtomicU64::new(0);
 
 /// Test hook: makes every worker-exit tree probe of this process stall for `stall` before it
 /// looks (see [`EXIT_PROBE_WAIT`]). Process-wide: for a test binary of its own.
 #[doc(hidden)]
 pub fn stall_exit_probes(stall: Duration) {
-    PROBE_STALL_MS.store(
-        stall.as_millis() as u64,
-        std::sync::atomic::Ordering::SeqCst,
-    );
+    PROBE_STALL_MS.store(stall.as_millis() as u64, Ordering::SeqCst);
 }
 
 /// Whether an exited leader's tree outlives it: members left in its group, or descendants
 /// that escaped it carrying the run's token (among the pids handed out since a `young`
 /// leader's, else anywhere in /proc). Blocking: reads other processes' /proc files.
 fn tree_outlives_leader(pidfd: &PidFd, token: &str, young: bool) -> bool {
-    let stall = PROBE_STALL_MS.load(std::sync::atomic::Ordering::SeqCst);
+    let stall = PROBE_STALL_MS.load(Ordering::SeqCst);
     if stall > 0 {
         std::thread::sleep(Duration::from_millis(stall));
     }
@@ -87,10 +85,9 @@ fn tree_outlives_leader(pidfd: &PidFd, token: &str, young: bool) -> bool {
 }
 
 /// [`tree_outlives_leader`] on the blocking pool, answered within [`EXIT_PROBE_WAIT`]: `None`
-/// when it was not (or the probe died). A probe that is stuck keeps its blocking thread until
-/// the process it reads can be read again (as it did before this bound; the tree end that
-/// follows such an exit does the same): not bounded here, since a bound on the probes would
-/// make healthy exits wait for stuck ones.
+/// when it was not (or the probe died). A stuck probe keeps its blocking thread until the
+/// process it reads can be read again (so does the tree end that follows); the number of
+/// probes is not capped, since a cap would make healthy exits wait for stuck ones.
 async fn probe_tree(pidfd: Arc<PidFd>, token: String, young: bool) -> Option<bool> {
     let probe = actix_rt::task::spawn_blocking(move || tree_outlives_leader(&pidfd, &token, young));
     tokio::time::timeout(EXIT_PROBE_WAIT, probe)
