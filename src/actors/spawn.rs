@@ -173,9 +173,6 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         })?;
     }
     let log = open_log(&spec.log_path, spec.log_max_bytes)?;
-    let log_err = log
-        .try_clone()
-        .map_err(|e| format!("cannot duplicate log file handle: {e}"))?;
 
     // A bare name is looked up here, in the PATH the worker will have: given a PATH of its own,
     // std would fall back from posix_spawn to fork + execvp in the child, and forking the
@@ -191,7 +188,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         None
     } else {
         // The PATH the worker gets: the assignee's, else the one set below, else ours as it is
-        // now (std hands the child the current environment).
+        // now (the child gets the current environment).
         let inherited;
         let worker_path = match (spec.env.get("PATH"), own_path) {
             (Some(p), _) => Some(std::ffi::OsStr::new(p)),
@@ -203,7 +200,259 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         };
         find_in_path(program, worker_path, &spec.cwd)
     };
-    let mut cmd = match &found {
+    // The working directory and the user are named: a worker whose user cannot reach its
+    // cwd fails with a bare EACCES that otherwise reads like `program` is the problem.
+    let failed = |e: &dyn std::fmt::Display| {
+        let who = spec.uid.map(|u| format!(" as uid {u}")).unwrap_or_default();
+        let at = found
+            .as_ref()
+            .map(|p| format!(" ({})", p.display()))
+            .unwrap_or_default();
+        format!(
+            "cannot start `{program}`{at}{who} in {}: {e}",
+            spec.cwd.display()
+        )
+    };
+
+    // Registered before anything can reap it (the guard spans fork to registration): the
+    // orphan reaper must leave it to its actor. Other spawns proceed meanwhile.
+    let owned = process::owned::spawning();
+    // A name with a slash is used as it is (relative to the cwd, as exec after chdir reads it).
+    let exec_path = found
+        .as_deref()
+        .or_else(|| program.contains('/').then(|| Path::new(program.as_str())));
+    let cloned = match exec_path {
+        Some(path) if !forks_anyway => match start_cloned(spec, path, own_path, &log) {
+            Ok(pidfd) => Some(pidfd),
+            Err(Start::Elsewise) => None,
+            Err(Start::Failed(e)) => return Err(failed(&e)),
+        },
+        _ => None,
+    };
+    let (pid, pidfd) = match cloned {
+        Some(pidfd) => (pidfd.pid(), Ok(pidfd)),
+        None => {
+            let child = std_command(spec, program, args, found.as_deref(), own_path, log)?
+                .spawn()
+                .map_err(|e| failed(&e))?;
+            let pid = child.id() as i32;
+            // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle.
+            drop(child);
+            (pid, PidFd::open(pid))
+        }
+    };
+    owned.register(pid);
+    drop(owned);
+    // The child is ours and not yet reaped, so its pid cannot be recycled before these reads:
+    // the pidfd and the fingerprint are certainly this process's. Without either, nobody could
+    // supervise it for long: without a pidfd not even this incarnation, and without a
+    // fingerprint no later one could ever prove it alive or gone (its run would hold its task
+    // for good). So the start fails (the run is closed as spawn_failed and retried) and the
+    // child is ended now.
+    let identity = pidfd
+        .map_err(|e| format!("cannot open pidfd for {pid}: {e}"))
+        .and_then(|pidfd| match read_fingerprint(pid) {
+            Ok(fp) => Ok((pidfd, fp)),
+            Err(e) => Err(format!("cannot fingerprint {pid} (/proc/{pid}/stat): {e}")),
+        });
+    let (pidfd, fingerprint) = match identity {
+        Ok(found) => found,
+        Err(error) => {
+            // Our unreaped child: its pid, and so its group id, cannot name anyone else until
+            // it is reaped here. The child itself too, in case it has already left its group.
+            // SAFETY: kill(2) with our unreaped child's pid and group id.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+                libc::kill(pid, libc::SIGKILL);
+            }
+            // SAFETY: waitpid on our own unreaped child.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+            process::owned::unregister(pid);
+            return Err(error);
+        }
+    };
+    Ok(Spawned {
+        pid,
+        pidfd,
+        fingerprint,
+    })
+}
+
+/// Why [`start_cloned`] did not start the worker.
+enum Start {
+    /// Not this way here (see [`process::clone_exec`]); std's `Command` will.
+    Elsewise,
+    /// The start failed; the error says at which step.
+    Failed(std::io::Error),
+}
+
+/// The worker's variables, in the order std's `Command` would give them precedence: our own
+/// environment as it is now, less the `RUNWARDEN_*` variables we inherited and whatever is
+/// set below; PATH with our binary's directory (see [`path_with_own_binary`]); the
+/// assignee's table; the run's variables last (nothing may override them: a shared token
+/// would let one run's end kill another's workers).
+fn worker_env(spec: &SpawnSpec, own_path: Option<&std::ffi::OsStr>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let run = [
+        (
+            "RUNWARDEN_SOCKET",
+            spec.socket.as_os_str().as_bytes().to_vec(),
+        ),
+        ("RUNWARDEN_TASK_ID", spec.task_id.to_string().into_bytes()),
+        ("RUNWARDEN_RUN_ID", spec.run_id.to_string().into_bytes()),
+        ("RUNWARDEN_RUN_TOKEN", spec.token.clone().into_bytes()),
+        ("RUNWARDEN_TASK_TITLE", spec.title.clone().into_bytes()),
+    ];
+    let is_run_var = |key: &[u8]| run.iter().any(|(k, _)| k.as_bytes() == key);
+    let inherited = inherited_runwarden_vars();
+    let set_below = |key: &std::ffi::OsStr| {
+        inherited.iter().any(|k| k == key)
+            || (own_path.is_some() && key == "PATH")
+            || key.to_str().is_some_and(|k| spec.env.contains_key(k))
+            || is_run_var(key.as_bytes())
+    };
+    let mut vars: Vec<(Vec<u8>, Vec<u8>)> = std::env::vars_os()
+        .filter(|(key, _)| !set_below(key))
+        .map(|(key, value)| (key.into_vec(), value.into_vec()))
+        .collect();
+    if let Some(path) = own_path {
+        vars.push((b"PATH".to_vec(), path.as_bytes().to_vec()));
+    }
+    vars.extend(
+        spec.env
+            .iter()
+            .filter(|(key, _)| !is_run_var(key.as_bytes()))
+            .map(|(k, v)| (k.clone().into_bytes(), v.clone().into_bytes())),
+    );
+    vars.extend(run.into_iter().map(|(k, v)| (k.as_bytes().to_vec(), v)));
+    vars
+}
+
+/// NUL-terminated strings in one buffer, and the NULL-terminated pointer array execve wants.
+struct CStrings {
+    buf: Vec<u8>,
+    starts: Vec<usize>,
+}
+
+impl CStrings {
+    fn new() -> CStrings {
+        CStrings {
+            buf: Vec::with_capacity(4096),
+            starts: Vec::new(),
+        }
+    }
+
+    /// Appends the concatenation of `parts` as one string; `what` names it in the error for
+    /// an embedded NUL (which would cut it short).
+    fn push(&mut self, parts: &[&[u8]], what: &dyn Fn() -> String) -> std::io::Result<()> {
+        if parts.iter().any(|p| p.contains(&0)) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{} contains a NUL byte", what()),
+            ));
+        }
+        self.starts.push(self.buf.len());
+        for part in parts {
+            self.buf.extend_from_slice(part);
+        }
+        self.buf.push(0);
+        Ok(())
+    }
+
+    /// The pointers, valid while `self` is neither changed nor dropped.
+    fn pointers(&self) -> Vec<*const std::ffi::c_char> {
+        self.starts
+            .iter()
+            .map(|&i| self.buf[i..].as_ptr().cast())
+            .chain(std::iter::once(std::ptr::null()))
+            .collect()
+    }
+}
+
+/// Starts the worker through [`process::clone_exec`]: `path` is where its program was found
+/// (its argv\[0\] stays the configured name), stdin is /dev/null, stdout and stderr `log`.
+fn start_cloned(
+    spec: &SpawnSpec,
+    path: &Path,
+    own_path: Option<&std::ffi::OsStr>,
+    log: &File,
+) -> Result<PidFd, Start> {
+    use std::os::fd::AsFd;
+    use std::os::unix::ffi::OsStrExt;
+    let invalid = Start::Failed;
+    let c = |bytes: &[u8], what: &str| {
+        std::ffi::CString::new(bytes).map_err(|_| {
+            invalid(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{what} contains a NUL byte"),
+            ))
+        })
+    };
+    let path = c(path.as_os_str().as_bytes(), "the program's path")?;
+    let cwd = c(spec.cwd.as_os_str().as_bytes(), "the working directory")?;
+    let mut argv = CStrings::new();
+    for arg in &spec.argv {
+        argv.push(&[arg.as_bytes()], &|| format!("argument {arg:?}"))
+            .map_err(invalid)?;
+    }
+    let mut envp = CStrings::new();
+    for (key, value) in worker_env(spec, own_path) {
+        envp.push(&[&key, b"=", &value], &|| {
+            format!(
+                "environment variable {}",
+                String::from_utf8_lossy(&key).into_owned()
+            )
+        })
+        .map_err(invalid)?;
+    }
+    let null = dev_null().map_err(invalid)?;
+    let stdio = [null.as_fd(), log.as_fd(), log.as_fd()];
+    match process::clone_exec::spawn_leader(&path, &argv.pointers(), &envp.pointers(), &cwd, stdio)
+    {
+        Ok(pidfd) => Ok(pidfd),
+        Err(process::clone_exec::CloneExecError::Unsupported(e)) => {
+            tracing::debug!(error = %e, "spawn: clone3 unavailable; starting workers through std");
+            Err(Start::Elsewise)
+        }
+        // exec's and chdir's errors read as std's would; the other steps are named.
+        Err(process::clone_exec::CloneExecError::Failed { step, source })
+            if step == "execve" || step == "chdir" =>
+        {
+            Err(Start::Failed(source))
+        }
+        Err(e) => Err(Start::Failed(std::io::Error::other(e.to_string()))),
+    }
+}
+
+/// /dev/null for workers' stdin, opened once per spawning thread (close-on-exec: each child
+/// gets its own copy as descriptor 0).
+fn dev_null() -> std::io::Result<std::rc::Rc<File>> {
+    thread_local! {
+        static NULL: std::cell::OnceCell<std::rc::Rc<File>> = const { std::cell::OnceCell::new() };
+    }
+    NULL.with(|cell| {
+        if let Some(f) = cell.get() {
+            return Ok(f.clone());
+        }
+        let f = std::rc::Rc::new(File::open("/dev/null")?);
+        Ok(cell.get_or_init(|| f).clone())
+    })
+}
+
+/// The worker's start through std's `Command` (posix_spawn, or fork + exec when the child
+/// must change its user, umask or rlimits): for what [`start_cloned`] does not do.
+fn std_command(
+    spec: &SpawnSpec,
+    program: &str,
+    args: &[String],
+    found: Option<&Path>,
+    own_path: Option<&std::ffi::OsStr>,
+    log: File,
+) -> Result<Command, String> {
+    let log_err = log
+        .try_clone()
+        .map_err(|e| format!("cannot duplicate log file handle: {e}"))?;
+    let mut cmd = match found {
         Some(path) => {
             let mut c = Command::new(path);
             // The worker still sees the name it was configured with.
@@ -218,21 +467,15 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         .stdout(log)
         .stderr(log_err)
         .process_group(0);
-    // A supervisor started from inside a worker must not leak its own run's identity.
-    for key in inherited_runwarden_vars() {
-        cmd.env_remove(key);
+    // The same variables as worker_env gives.
+    cmd.env_clear();
+    for (key, value) in worker_env(spec, own_path) {
+        use std::os::unix::ffi::OsStringExt;
+        cmd.env(
+            std::ffi::OsString::from_vec(key),
+            std::ffi::OsString::from_vec(value),
+        );
     }
-    if let Some(path) = own_path {
-        cmd.env("PATH", path);
-    }
-    // The run's own variables last: nothing in the assignee's table can override them (a
-    // shared token would let one run's end kill another's workers).
-    cmd.envs(&spec.env)
-        .env("RUNWARDEN_SOCKET", &spec.socket)
-        .env("RUNWARDEN_TASK_ID", spec.task_id.to_string())
-        .env("RUNWARDEN_RUN_ID", spec.run_id.to_string())
-        .env("RUNWARDEN_RUN_TOKEN", &spec.token)
-        .env("RUNWARDEN_TASK_TITLE", &spec.title);
     if let Some(gid) = spec.gid {
         cmd.gid(gid);
     }
@@ -262,61 +505,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             });
         }
     }
-    // Registered before anything can reap it (the guard spans fork to registration): the
-    // orphan reaper must leave it to its actor. Other spawns proceed meanwhile.
-    let owned = process::owned::spawning();
-    let mut child = cmd
-        .spawn()
-        // The working directory and the user are named: a worker whose user cannot reach its
-        // cwd fails here with a bare EACCES that otherwise reads like `program` is the problem.
-        .map_err(|e| {
-            let who = spec.uid.map(|u| format!(" as uid {u}")).unwrap_or_default();
-            let at = found
-                .as_ref()
-                .map(|p| format!(" ({})", p.display()))
-                .unwrap_or_default();
-            format!(
-                "cannot start `{program}`{at}{who} in {}: {e}",
-                spec.cwd.display()
-            )
-        })?;
-    let pid = child.id() as i32;
-    owned.register(pid);
-    drop(owned);
-    // The child is ours and not yet reaped, so its pid cannot be recycled before these reads:
-    // the pidfd and the fingerprint are certainly this process's. Without either, nobody could
-    // supervise it for long: without a pidfd not even this incarnation, and without a
-    // fingerprint no later one could ever prove it alive or gone (its run would hold its task
-    // for good). So the start fails (the run is closed as spawn_failed and retried) and the
-    // child is ended now.
-    let identity = PidFd::open(pid)
-        .map_err(|e| format!("cannot open pidfd for {pid}: {e}"))
-        .and_then(|pidfd| match read_fingerprint(pid) {
-            Ok(fp) => Ok((pidfd, fp)),
-            Err(e) => Err(format!("cannot fingerprint {pid} (/proc/{pid}/stat): {e}")),
-        });
-    let (pidfd, fingerprint) = match identity {
-        Ok(found) => found,
-        Err(error) => {
-            // Our unreaped child: its pid, and so its group id, cannot name anyone else until
-            // it is reaped here. The child itself too, in case it has already left its group.
-            // SAFETY: kill(2) with our unreaped child's pid and group id.
-            unsafe {
-                libc::kill(-pid, libc::SIGKILL);
-                libc::kill(pid, libc::SIGKILL);
-            }
-            let _ = child.wait();
-            process::owned::unregister(pid);
-            return Err(error);
-        }
-    };
-    // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle now.
-    drop(child);
-    Ok(Spawned {
-        pid,
-        pidfd,
-        fingerprint,
-    })
+    Ok(cmd)
 }
 
 /// The spawn fingerprint of a child just started; a test can make it fail on its thread.

@@ -19,11 +19,12 @@
 //! - [`become_subreaper`] and [`reap_orphans`] catch descendants that escaped their group with
 //!   `setsid` and were re-parented to the supervisor.
 //!
-//! Layout: `stat` parses `/proc/<pid>/stat`; `fingerprint` reads the boot id and fingerprints;
+//! Layout: `clone_exec` starts a worker (clone3 + execve) for the common case; `stat` parses `/proc/<pid>/stat`; `fingerprint` reads the boot id and fingerprints;
 //! `liveness` gives verdicts and scans process groups; `pidfd` wraps the pidfd syscalls and the
 //! open-then-verify step; `signal` holds the signaller and the terminate sequences; `subreaper`
 //! adopts and reaps orphans.
 
+pub mod clone_exec;
 pub mod descendants;
 mod fingerprint;
 mod group_fallback;

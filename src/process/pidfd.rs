@@ -62,6 +62,11 @@ impl PidFd {
         Ok(PidFd { fd, pid })
     }
 
+    /// A pidfd the kernel handed back when it started `pid` (clone3's `CLONE_PIDFD`).
+    pub(crate) fn from_owned(fd: OwnedFd, pid: Pid) -> PidFd {
+        PidFd { fd, pid }
+    }
+
     /// The pid this fd was opened for (in our pid namespace).
     pub fn pid(&self) -> Pid {
         self.pid

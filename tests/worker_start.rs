@@ -1,0 +1,134 @@
+//! What a worker starts with, read from its own `/proc` entries while it runs: argv as
+//! configured, the run's variables and the assignee's beside the supervisor's environment
+//! (no variable twice), stdin from /dev/null, stdout and stderr on its task's log, no other
+//! descriptor of the supervisor's (its database, socket, pidfds, /dev/null), its own process
+//! group, its task's work dir, an empty signal mask and SIGPIPE at its default (the Rust
+//! runtime ignores SIGPIPE in the supervisor, and an ignored signal would survive exec).
+
+#[allow(dead_code)]
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::PathBuf;
+
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, TestDir, WorkerGuard, lib_config};
+use runwarden::Supervisor;
+use runwarden::board::NewTask;
+use runwarden::config::AssigneeConfig;
+use runwarden::process::{Fingerprint, read_stat};
+
+/// A mask line of /proc/<pid>/status (`SigBlk:`, `SigIgn:` …) as a number.
+fn mask(status: &str, name: &str) -> u64 {
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .unwrap_or_else(|| panic!("no {name} in {status}"));
+    u64::from_str_radix(line.trim(), 16).expect("a hex mask")
+}
+
+#[test]
+fn a_worker_starts_with_its_run_environment_stdio_group_dir_and_default_signals() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    let mut inspect = AssigneeConfig::new(["sleep", "30"]);
+    inspect.env.insert("FROM_CONFIG".into(), "yes".into());
+    config.assignees.insert("inspect".into(), inspect);
+    let sup = Supervisor::start(config).expect("start the supervisor");
+    let id = sup
+        .add_task(NewTask::titled("look at me").for_assignee("inspect"))
+        .expect("add task")
+        .id;
+
+    let mut run = None;
+    assert!(
+        wait_until(SETTLE, || {
+            run = sup
+                .task(id)
+                .ok()
+                .and_then(|t| t.runs.into_iter().find(|r| r.worker_pid.is_some()));
+            run.is_some()
+        }),
+        "the worker was never recorded as spawned"
+    );
+    let run = run.unwrap();
+    let pid = run.worker_pid.unwrap() as i32;
+    let fp = Fingerprint {
+        boot_id: run.worker_boot_id.clone().expect("boot id recorded"),
+        start_ticks: run.worker_start_ticks.expect("start time recorded") as u64,
+    };
+    // Ended with its group when the test ends, passed or failed.
+    let _worker = WorkerGuard::pin(pid, &fp);
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+
+    let cmdline = fs::read(proc_dir.join("cmdline")).expect("cmdline");
+    assert_eq!(cmdline, b"sleep\x0030\x00", "argv as configured");
+
+    let environ = fs::read(proc_dir.join("environ")).expect("environ");
+    let mut env = BTreeMap::new();
+    for entry in environ.split(|&b| b == 0).filter(|e| !e.is_empty()) {
+        let entry = String::from_utf8_lossy(entry).into_owned();
+        let (key, value) = entry.split_once('=').expect("KEY=VALUE");
+        let earlier = env.insert(key.to_string(), value.to_string());
+        assert!(earlier.is_none(), "{key} is set twice: {environ:?}");
+    }
+    let socket = td.data_dir().join("control.sock");
+    let expected = [
+        ("RUNWARDEN_TASK_ID", id.to_string()),
+        ("RUNWARDEN_RUN_ID", run.id.to_string()),
+        ("RUNWARDEN_RUN_TOKEN", run.token.clone()),
+        ("RUNWARDEN_TASK_TITLE", "look at me".to_string()),
+        ("RUNWARDEN_SOCKET", socket.display().to_string()),
+        ("FROM_CONFIG", "yes".to_string()),
+    ];
+    for (key, value) in expected {
+        assert_eq!(env.get(key), Some(&value), "{key} in {env:?}");
+    }
+    if let Ok(path) = std::env::var("PATH") {
+        assert_eq!(
+            env.get("PATH"),
+            Some(&path),
+            "the supervisor's PATH is inherited"
+        );
+    }
+
+    // Only 0, 1, 2: everything else of the supervisor's is close-on-exec.
+    let mut fds: Vec<(i32, PathBuf)> = fs::read_dir(proc_dir.join("fd"))
+        .expect("fd dir")
+        .map(|e| {
+            let e = e.expect("fd entry");
+            let fd = e.file_name().to_string_lossy().parse().expect("fd number");
+            (fd, fs::read_link(e.path()).expect("fd link"))
+        })
+        .collect();
+    fds.sort();
+    let log = td.data_dir().join("logs").join(format!("{id}.log"));
+    assert_eq!(
+        fds,
+        [
+            (0, PathBuf::from("/dev/null")),
+            (1, log.clone()),
+            (2, log.clone())
+        ],
+        "the worker's descriptors"
+    );
+
+    let stat = read_stat(pid).expect("stat");
+    assert_eq!(stat.pgrp, pid, "the worker leads its own process group");
+    assert_eq!(
+        fs::read_link(proc_dir.join("cwd")).expect("cwd"),
+        td.data_dir().join("work").join(id.to_string()),
+        "the worker works in its task's directory"
+    );
+
+    let status = fs::read_to_string(proc_dir.join("status")).expect("status");
+    assert_eq!(mask(&status, "SigBlk:"), 0, "no signal blocked: {status}");
+    let sigpipe = 1u64 << (libc::SIGPIPE - 1);
+    assert_eq!(
+        mask(&status, "SigIgn:") & sigpipe,
+        0,
+        "SIGPIPE is not ignored: {status}"
+    );
+    sup.shutdown();
+}
