@@ -12,11 +12,13 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::PathBuf;
 
+use common::lifecycle::{Db, View, stop_serve};
 use common::proc_guard::wait_until;
-use common::runtime::{SETTLE, TestDir, WorkerGuard, lib_config};
+use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard, lib_config};
 use runwarden::Supervisor;
-use runwarden::board::NewTask;
+use runwarden::board::{NewTask, TaskStatus, now_millis};
 use runwarden::config::AssigneeConfig;
+use runwarden::process::Signal;
 use runwarden::process::{Fingerprint, read_stat};
 
 /// A mask line of /proc/<pid>/status (`SigBlk:`, `SigIgn:` …) as a number.
@@ -131,4 +133,60 @@ fn a_worker_starts_with_its_run_environment_stdio_group_dir_and_default_signals(
         "SIGPIPE is not ignored: {status}"
     );
     sup.shutdown();
+}
+
+/// Under `runwarden serve`, a descriptor the supervisor inherited open reaches no worker — not
+/// even one started by fork + exec (a `umask` to set takes that path), which closes only what
+/// is close-on-exec.
+#[test]
+fn a_descriptor_serve_inherited_reaches_no_worker() {
+    // Inherited by the serve child below (opened without close-on-exec), numbered well above
+    // what the worker opens itself (ls reads the fd directory through descriptor 3).
+    let mut pipe = [0; 2];
+    // SAFETY: pipe(2) fills the two descriptors it is given; F_DUPFD copies one of ours to
+    // the lowest free number from 200 (without close-on-exec), and the original is closed.
+    unsafe {
+        assert_eq!(libc::pipe(pipe.as_mut_ptr()), 0, "pipe");
+        for end in &mut pipe {
+            let high = libc::fcntl(*end, libc::F_DUPFD, 200);
+            assert!(high >= 200, "F_DUPFD");
+            libc::close(*end);
+            *end = high;
+        }
+    }
+    let td = TestDir::new();
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        "[assignees.w]\ncommand = [\"sh\", \"-c\", \"ls /proc/self/fd\"]\numask = \"022\"\n",
+    );
+    fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(&NewTask::titled("fds").for_assignee("w"), now_millis())?
+            .id)
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    assert!(
+        wait_until(SETTLE, || db.get_task(task).status == TaskStatus::Done),
+        "task not done\n{}\n{}",
+        db.history(task),
+        serve.stderr()
+    );
+    let log = fs::read_to_string(td.data_dir().join("logs").join(format!("{task}.log")))
+        .expect("the worker's log");
+    let mut fds: Vec<i32> = log
+        .split_whitespace()
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    fds.sort();
+    assert!(fds.starts_with(&[0, 1, 2]), "{log}");
+    for end in pipe {
+        assert!(!fds.contains(&end), "fd {end} reached the worker: {log}");
+        // SAFETY: our own descriptors, closed once.
+        unsafe { libc::close(end) };
+    }
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(status.is_some_and(|s| s.success()), "{}", serve.stderr());
 }

@@ -48,8 +48,9 @@ pub struct Spawned {
 
 /// A few dedicated threads that start workers, shared by every WorkerActor of a supervisor.
 ///
-/// Starting a process blocks its caller: creating the work dir and log file, and fork/exec
-/// (posix_spawn holds the caller until the child has exec'd). Not on an actor thread, then;
+/// Starting a process blocks its caller: creating the work dir and log file, and the start
+/// itself (a vfork-style start — clone3 here, posix_spawn in std — holds the caller until the
+/// child has exec'd). Not on an actor thread, then;
 /// and not on a general blocking pool either, where every start woke a parked thread and
 /// starts ran many at once, competing for the same locks and cores as the children they
 /// were starting. The threads exit once the last handle is dropped.
@@ -214,20 +215,24 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         )
     };
 
-    // Registered before anything can reap it (the guard spans fork to registration): the
-    // orphan reaper must leave it to its actor. Other spawns proceed meanwhile.
-    let owned = process::owned::spawning();
     // A name with a slash is used as it is (relative to the cwd, as exec after chdir reads it).
     let exec_path = found
         .as_deref()
         .or_else(|| program.contains('/').then(|| Path::new(program.as_str())));
-    let cloned = match exec_path {
-        Some(path) if !forks_anyway => match start_cloned(spec, path, own_path, &log) {
-            Ok(pidfd) => Some(pidfd),
-            Err(Start::Elsewise) => None,
-            Err(Start::Failed(e)) => return Err(failed(&e)),
-        },
+    let clone_start = match exec_path {
+        Some(path) if !forks_anyway && process::clone_exec::available() => {
+            Some(CloneStart::prepare(spec, path, own_path).map_err(|e| failed(&e))?)
+        }
         _ => None,
+    };
+
+    // Registered before anything can reap it (the guard spans fork to registration): the
+    // orphan reaper must leave it to its actor. Other spawns proceed meanwhile.
+    let owned = process::owned::spawning();
+    let cloned = match clone_start.as_ref().map(|c| c.start(&log)) {
+        Some(Ok(pidfd)) => Some(pidfd),
+        Some(Err(Start::Failed(e))) => return Err(failed(&e)),
+        Some(Err(Start::Elsewise)) | None => None,
     };
     let (pid, pidfd) = match cloned {
         Some(pidfd) => (pidfd.pid(), Ok(pidfd)),
@@ -265,8 +270,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
                 libc::kill(-pid, libc::SIGKILL);
                 libc::kill(pid, libc::SIGKILL);
             }
-            // SAFETY: waitpid on our own unreaped child.
-            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+            process::clone_exec::reap(pid);
             process::owned::unregister(pid);
             return Err(error);
         }
@@ -286,46 +290,86 @@ enum Start {
     Failed(std::io::Error),
 }
 
-/// The worker's variables, in the order std's `Command` would give them precedence: our own
-/// environment as it is now, less the `RUNWARDEN_*` variables we inherited and whatever is
-/// set below; PATH with our binary's directory (see [`path_with_own_binary`]); the
-/// assignee's table; the run's variables last (nothing may override them: a shared token
-/// would let one run's end kill another's workers).
-fn worker_env(spec: &SpawnSpec, own_path: Option<&std::ffi::OsStr>) -> Vec<(Vec<u8>, Vec<u8>)> {
-    use std::os::unix::ffi::{OsStrExt, OsStringExt};
-    let run = [
-        (
-            "RUNWARDEN_SOCKET",
-            spec.socket.as_os_str().as_bytes().to_vec(),
-        ),
-        ("RUNWARDEN_TASK_ID", spec.task_id.to_string().into_bytes()),
-        ("RUNWARDEN_RUN_ID", spec.run_id.to_string().into_bytes()),
-        ("RUNWARDEN_RUN_TOKEN", spec.token.clone().into_bytes()),
-        ("RUNWARDEN_TASK_TITLE", spec.title.clone().into_bytes()),
+/// Calls `f` with each of the worker's variables (key, value), in the order std's `Command`
+/// would give them precedence: our own environment as it is now, less the `RUNWARDEN_*`
+/// variables we inherited and whatever is set below; PATH with our binary's directory (see
+/// [`path_with_own_binary`]); the assignee's table; the run's variables last (nothing may
+/// override them: a shared token would let one run's end kill another's workers). No key is
+/// given twice. Our environment is read in place (no copy of each variable per start).
+fn for_each_worker_var(
+    spec: &SpawnSpec,
+    own_path: Option<&std::ffi::OsStr>,
+    mut f: impl FnMut(&[u8], &[u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let (task_id, run_id) = (spec.task_id.to_string(), spec.run_id.to_string());
+    let run: [(&str, &[u8]); 5] = [
+        ("RUNWARDEN_SOCKET", spec.socket.as_os_str().as_bytes()),
+        ("RUNWARDEN_TASK_ID", task_id.as_bytes()),
+        ("RUNWARDEN_RUN_ID", run_id.as_bytes()),
+        ("RUNWARDEN_RUN_TOKEN", spec.token.as_bytes()),
+        ("RUNWARDEN_TASK_TITLE", spec.title.as_bytes()),
     ];
     let is_run_var = |key: &[u8]| run.iter().any(|(k, _)| k.as_bytes() == key);
     let inherited = inherited_runwarden_vars();
-    let set_below = |key: &std::ffi::OsStr| {
-        inherited.iter().any(|k| k == key)
-            || (own_path.is_some() && key == "PATH")
-            || key.to_str().is_some_and(|k| spec.env.contains_key(k))
-            || is_run_var(key.as_bytes())
+    let set_below = |key: &[u8]| {
+        inherited.iter().any(|k| k.as_bytes() == key)
+            || (own_path.is_some() && key == b"PATH")
+            || std::str::from_utf8(key).is_ok_and(|k| spec.env.contains_key(k))
+            || is_run_var(key)
     };
-    let mut vars: Vec<(Vec<u8>, Vec<u8>)> = std::env::vars_os()
-        .filter(|(key, _)| !set_below(key))
-        .map(|(key, value)| (key.into_vec(), value.into_vec()))
-        .collect();
-    if let Some(path) = own_path {
-        vars.push((b"PATH".to_vec(), path.as_bytes().to_vec()));
+    let own_path = own_path.filter(|_| !spec.env.contains_key("PATH"));
+    // As std splits them: at the first '=' after the first byte.
+    let split = |entry: &'static [u8]| {
+        let eq = entry.iter().skip(1).position(|&b| b == b'=')? + 1;
+        Some((&entry[..eq], &entry[eq + 1..]))
+    };
+    let inherited_vars: Vec<(&[u8], &[u8])> = environment().filter_map(split).collect();
+    for (i, &(key, value)) in inherited_vars.iter().enumerate() {
+        // A name our environment holds twice is passed once, its last value (as std does).
+        let again = inherited_vars[i + 1..].iter().any(|(k, _)| *k == key);
+        if !again && !set_below(key) {
+            f(key, value)?;
+        }
     }
-    vars.extend(
-        spec.env
-            .iter()
-            .filter(|(key, _)| !is_run_var(key.as_bytes()))
-            .map(|(k, v)| (k.clone().into_bytes(), v.clone().into_bytes())),
-    );
-    vars.extend(run.into_iter().map(|(k, v)| (k.as_bytes().to_vec(), v)));
-    vars
+    if let Some(path) = own_path {
+        f(b"PATH", path.as_bytes())?;
+    }
+    for (key, value) in &spec.env {
+        if !is_run_var(key.as_bytes()) {
+            f(key.as_bytes(), value.as_bytes())?;
+        }
+    }
+    for (key, value) in run {
+        f(key.as_bytes(), value)?;
+    }
+    Ok(())
+}
+
+/// Our environment's `KEY=VALUE` entries, read in place.
+fn environment() -> impl Iterator<Item = &'static [u8]> {
+    unsafe extern "C" {
+        static environ: *const *const std::ffi::c_char;
+    }
+    // SAFETY: `environ` is libc's NULL-terminated array of NUL-terminated strings. Only
+    // `std::env::set_var`/`remove_var` change it, and their contract (they are `unsafe`)
+    // is that no other thread reads the environment meanwhile — as getenv would here;
+    // runwarden never calls them.
+    let mut at = unsafe { environ };
+    std::iter::from_fn(move || {
+        if at.is_null() {
+            return None;
+        }
+        // SAFETY: see above; `at` walks the array up to its NULL end.
+        unsafe {
+            let entry = *at;
+            if entry.is_null() {
+                return None;
+            }
+            at = at.add(1);
+            Some(std::ffi::CStr::from_ptr(entry).to_bytes())
+        }
+    })
 }
 
 /// NUL-terminated strings in one buffer, and the NULL-terminated pointer array execve wants.
@@ -369,58 +413,65 @@ impl CStrings {
     }
 }
 
-/// Starts the worker through [`process::clone_exec`]: `path` is where its program was found
-/// (its argv\[0\] stays the configured name), stdin is /dev/null, stdout and stderr `log`.
-fn start_cloned(
-    spec: &SpawnSpec,
-    path: &Path,
-    own_path: Option<&std::ffi::OsStr>,
-    log: &File,
-) -> Result<PidFd, Start> {
-    use std::os::fd::AsFd;
-    use std::os::unix::ffi::OsStrExt;
-    let invalid = Start::Failed;
-    let c = |bytes: &[u8], what: &str| {
-        std::ffi::CString::new(bytes).map_err(|_| {
-            invalid(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("{what} contains a NUL byte"),
-            ))
-        })
-    };
-    let path = c(path.as_os_str().as_bytes(), "the program's path")?;
-    let cwd = c(spec.cwd.as_os_str().as_bytes(), "the working directory")?;
-    let mut argv = CStrings::new();
-    for arg in &spec.argv {
-        argv.push(&[arg.as_bytes()], &|| format!("argument {arg:?}"))
-            .map_err(invalid)?;
-    }
-    let mut envp = CStrings::new();
-    for (key, value) in worker_env(spec, own_path) {
-        envp.push(&[&key, b"=", &value], &|| {
-            format!(
-                "environment variable {}",
-                String::from_utf8_lossy(&key).into_owned()
-            )
-        })
-        .map_err(invalid)?;
-    }
-    let null = dev_null().map_err(invalid)?;
-    let stdio = [null.as_fd(), log.as_fd(), log.as_fd()];
-    match process::clone_exec::spawn_leader(&path, &argv.pointers(), &envp.pointers(), &cwd, stdio)
-    {
-        Ok(pidfd) => Ok(pidfd),
-        Err(process::clone_exec::CloneExecError::Unsupported(e)) => {
-            tracing::debug!(error = %e, "spawn: clone3 unavailable; starting workers through std");
-            Err(Start::Elsewise)
+/// A worker start through [`process::clone_exec`], prepared (outside the spawn gate): the
+/// program's path (its argv\[0\] stays the configured name), working directory, argv and
+/// environment as C strings.
+struct CloneStart {
+    path: std::ffi::CString,
+    cwd: std::ffi::CString,
+    argv: CStrings,
+    envp: CStrings,
+}
+
+impl CloneStart {
+    fn prepare(
+        spec: &SpawnSpec,
+        path: &Path,
+        own_path: Option<&std::ffi::OsStr>,
+    ) -> std::io::Result<CloneStart> {
+        use std::os::unix::ffi::OsStrExt;
+        let c = |bytes: &[u8], what: &str| {
+            std::ffi::CString::new(bytes).map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("{what} contains a NUL byte"),
+                )
+            })
+        };
+        let mut argv = CStrings::new();
+        for arg in &spec.argv {
+            argv.push(&[arg.as_bytes()], &|| format!("argument {arg:?}"))?;
         }
-        // exec's and chdir's errors read as std's would; the other steps are named.
-        Err(process::clone_exec::CloneExecError::Failed { step, source })
-            if step == "execve" || step == "chdir" =>
-        {
-            Err(Start::Failed(source))
+        let mut envp = CStrings::new();
+        for_each_worker_var(spec, own_path, |key, value| {
+            envp.push(&[key, b"=", value], &|| {
+                format!("environment variable {}", String::from_utf8_lossy(key))
+            })
+        })?;
+        Ok(CloneStart {
+            path: c(path.as_os_str().as_bytes(), "the program's path")?,
+            cwd: c(spec.cwd.as_os_str().as_bytes(), "the working directory")?,
+            argv,
+            envp,
+        })
+    }
+
+    /// Starts it: stdin is /dev/null, stdout and stderr `log`.
+    fn start(&self, log: &File) -> Result<PidFd, Start> {
+        use process::clone_exec::{CloneExecError, spawn_leader};
+        use std::os::fd::AsFd;
+        let null = dev_null().map_err(Start::Failed)?;
+        let stdio = [null.as_fd(), log.as_fd(), log.as_fd()];
+        let (argv, envp) = (self.argv.pointers(), self.envp.pointers());
+        match spawn_leader(&self.path, &argv, &envp, &self.cwd, stdio) {
+            Ok(pidfd) => Ok(pidfd),
+            Err(CloneExecError::Unsupported(_)) => Err(Start::Elsewise),
+            // exec's and chdir's errors read as std's would; the other steps are named.
+            Err(CloneExecError::Failed { step, source }) if step == "execve" || step == "chdir" => {
+                Err(Start::Failed(source))
+            }
+            Err(e) => Err(Start::Failed(std::io::Error::other(e.to_string()))),
         }
-        Err(e) => Err(Start::Failed(std::io::Error::other(e.to_string()))),
     }
 }
 
@@ -467,15 +518,16 @@ fn std_command(
         .stdout(log)
         .stderr(log_err)
         .process_group(0);
-    // The same variables as worker_env gives.
+    // The same variables as the clone3 start gives.
     cmd.env_clear();
-    for (key, value) in worker_env(spec, own_path) {
-        use std::os::unix::ffi::OsStringExt;
+    let _ = for_each_worker_var(spec, own_path, |key, value| {
+        use std::os::unix::ffi::OsStrExt;
         cmd.env(
-            std::ffi::OsString::from_vec(key),
-            std::ffi::OsString::from_vec(value),
+            std::ffi::OsStr::from_bytes(key),
+            std::ffi::OsStr::from_bytes(value),
         );
-    }
+        Ok(())
+    });
     if let Some(gid) = spec.gid {
         cmd.gid(gid);
     }
@@ -869,6 +921,51 @@ mod tests {
         assert!(
             exits_and_is_reaped(&watch),
             "the undelivered child was not killed"
+        );
+    }
+
+    /// The worker's variables as for_each_worker_var gives them, in order.
+    fn worker_vars(spec: &SpawnSpec, own_path: Option<&str>) -> Vec<(String, String)> {
+        let mut vars = Vec::new();
+        for_each_worker_var(spec, own_path.map(std::ffi::OsStr::new), |k, v| {
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            vars.push((text(k), text(v)));
+            Ok(())
+        })
+        .unwrap();
+        vars
+    }
+
+    #[test]
+    fn a_worker_gets_each_variable_once_the_assignees_path_and_the_runs_own_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = spec(dir.path(), &["true"]);
+        spec.env.insert("PATH".into(), "/assignee/bin".into());
+        spec.env.insert("RUNWARDEN_TASK_ID".into(), "forged".into());
+        spec.env.insert("FROM_CONFIG".into(), "yes".into());
+        let vars = worker_vars(&spec, Some("/own/dir:/usr/bin"));
+        let mut keys: Vec<&str> = vars.iter().map(|(k, _)| k.as_str()).collect();
+        keys.sort();
+        let before = keys.len();
+        keys.dedup();
+        assert_eq!(keys.len(), before, "a variable given twice: {vars:?}");
+        let get = |key: &str| vars.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+        assert_eq!(
+            get("PATH"),
+            Some("/assignee/bin"),
+            "the assignee's PATH wins"
+        );
+        assert_eq!(get("RUNWARDEN_TASK_ID"), Some("1"), "the run's own id wins");
+        assert_eq!(get("FROM_CONFIG"), Some("yes"));
+        assert_eq!(get("RUNWARDEN_RUN_TOKEN"), Some(spec.token.as_str()));
+
+        spec.env.remove("PATH");
+        let vars = worker_vars(&spec, Some("/own/dir:/usr/bin"));
+        let paths: Vec<_> = vars.iter().filter(|(k, _)| k == "PATH").collect();
+        assert_eq!(paths.len(), 1, "{vars:?}");
+        assert_eq!(
+            paths[0].1, "/own/dir:/usr/bin",
+            "our binary's directory first"
         );
     }
 

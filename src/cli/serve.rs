@@ -5,6 +5,18 @@ use crate::supervisor;
 
 /// Runs the supervisor until SIGTERM or SIGINT, then stops gracefully (exit 0).
 pub fn serve(cli: &Cli) -> Result<(), CliError> {
+    // Descriptors this process inherited open (a terminal, a build tool's jobserver pipe) are
+    // not the workers': close-on-exec from now on, so no start path hands them on. Best
+    // effort: a kernel before 5.11 lacks the flag.
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on our descriptors.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC as libc::c_uint,
+        )
+    };
     let config = load_config(cli)?;
     let shutdown = async {
         use tokio::signal::unix::{SignalKind, signal};

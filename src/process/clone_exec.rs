@@ -15,17 +15,19 @@
 //! - argv and the environment are prepared by the caller as NUL-terminated blocks.
 //!
 //! The child does what `posix_spawn` did with std's attributes: its own process group, the
-//! three descriptors given as stdin/stdout/stderr (every other descriptor closed, not only the
-//! close-on-exec ones: one the supervisor inherited is not the worker's), the working
-//! directory, SIGPIPE back to its
-//! default (the Rust runtime ignores it, and ignored signals survive exec), an empty signal
-//! mask, then `execve`. It shares the parent's memory until then, so it only makes system
-//! calls (no allocation, no lock); a failing step's errno is left in memory shared with the
-//! parent and the child exits 127, to be reaped here.
+//! three descriptors given as stdin/stdout/stderr (every other descriptor closed, not only
+//! the close-on-exec ones: one the supervisor inherited is not the worker's), the working
+//! directory, SIGPIPE back to its default (the Rust runtime ignores it, and ignored signals
+//! survive exec), an empty signal mask, then `execve`. It shares the parent's memory until
+//! then, so it only makes system calls (no allocation, no lock); a failing step's errno is
+//! left in memory shared with the parent and the child exits 127, to be reaped here.
 //!
 //! Where the kernel refuses `clone3` or one of its flags (before 5.5, or a seccomp filter
 //! that answers ENOSYS/EPERM) or on another architecture, [`spawn_leader`] says
 //! [`CloneExecError::Unsupported`] and the caller starts the program through std instead.
+
+// Elsewhere the start always goes through std (see `clone_vfork`); the stack is unused there.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
 use std::ffi::{CStr, c_char, c_int};
 use std::io;
@@ -82,7 +84,7 @@ pub fn spawn_leader(
     cwd: &CStr,
     stdio: [BorrowedFd<'_>; 3],
 ) -> Result<PidFd, CloneExecError> {
-    if UNSUPPORTED.load(Ordering::Relaxed) {
+    if !available() {
         return Err(CloneExecError::Unsupported(io::Error::from_raw_os_error(
             libc::ENOSYS,
         )));
@@ -93,22 +95,14 @@ pub fn spawn_leader(
     );
     // The child's dup2 of descriptor n onto 0..=2 must not overwrite one it has yet to
     // move: a descriptor below 3 is copied above first (std's runtime keeps 0-2 open, so
-    // this is for an embedding host that closed them).
+    // this is for an embedding host that closed them). std's clone of a descriptor is
+    // close-on-exec and numbered 3 or above.
     let mut raised = Vec::new();
     let mut fds = [0; 3];
     for (slot, fd) in fds.iter_mut().zip(stdio) {
         *slot = if fd.as_raw_fd() < 3 {
             let copy = fd
                 .try_clone_to_owned()
-                .and_then(|f| {
-                    // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own; the result is new.
-                    let high = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
-                    if high < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    // SAFETY: a fresh descriptor nobody else owns.
-                    Ok(unsafe { OwnedFd::from_raw_fd(high) })
-                })
                 .map_err(|source| CloneExecError::Failed {
                     step: "dup",
                     source,
@@ -136,11 +130,14 @@ pub fn spawn_leader(
         failed_step: 0,
         errno: 0,
     };
-    let (pid, pidfd) = STACK.with(|stack| -> Result<(Pid, OwnedFd), CloneExecError> {
-        let stack = stack.as_ref().map_err(|e| CloneExecError::Failed {
-            step: "map the child's stack",
-            source: io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(libc::ENOMEM)),
-        })?;
+    let (pid, pidfd) = STACK.with(|cell| -> Result<(Pid, OwnedFd), CloneExecError> {
+        let mut slot = cell.borrow_mut();
+        let stack = match &mut *slot {
+            Some(stack) => stack,
+            // Mapped on first need; a failure (out of memory or mappings) is this start's
+            // only: it goes through std, and the next one maps again.
+            empty => empty.insert(ChildStack::map().map_err(CloneExecError::Unsupported)?),
+        };
         // SAFETY: the stack is this thread's and unused (CLONE_VFORK: the previous child
         // left it when it exec'd or exited); `args` and everything it points to outlive
         // the call, which returns only once the child no longer runs on our memory.
@@ -153,9 +150,7 @@ pub fn spawn_leader(
         let errno = unsafe { std::ptr::read_volatile(&args.errno) };
         // Our own child, failed before exec: reap it now, as posix_spawn does, so no
         // zombie is left to anyone. Its pidfd keeps the pid from being reused meanwhile.
-        let mut status = 0;
-        // SAFETY: waitpid on our own unreaped child.
-        unsafe { libc::waitpid(pid, &mut status, libc::__WALL) };
+        reap(pid);
         drop(pidfd);
         return Err(CloneExecError::Failed {
             step: STEPS.get(step as usize).copied().unwrap_or("start"),
@@ -163,6 +158,20 @@ pub fn spawn_leader(
         });
     }
     Ok(PidFd::from_owned(pidfd, pid))
+}
+
+/// Waits for our own child `pid` and reaps it (retrying an interrupted wait).
+pub(crate) fn reap(pid: Pid) {
+    let mut status = 0;
+    // SAFETY: waitpid on our own unreaped child.
+    while unsafe { libc::waitpid(pid, &mut status, libc::__WALL) } < 0
+        && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+    {}
+}
+
+/// Whether starts may go this way (false once the kernel has refused clone3 or a flag).
+pub fn available() -> bool {
+    cfg!(target_arch = "x86_64") && !UNSUPPORTED.load(Ordering::Relaxed)
 }
 
 /// The page size (for the stack's guard page).
@@ -227,11 +236,12 @@ impl Drop for ChildStack {
 }
 
 thread_local! {
-    static STACK: io::Result<ChildStack> = ChildStack::map();
+    static STACK: std::cell::RefCell<Option<ChildStack>> = const { std::cell::RefCell::new(None) };
 }
 
 /// `CLONE_CLEAR_SIGHAND` (Linux 5.5): the child starts with every handled signal back at
 /// its default. (The libc crate declares it with a type too narrow to hold it.)
+#[cfg(target_arch = "x86_64")]
 const CLONE_CLEAR_SIGHAND: u64 = 0x1_0000_0000;
 
 /// clone3 with the child on `stack`; returns once the child has exec'd or exited.
@@ -285,7 +295,9 @@ unsafe fn clone_vfork(
         return Err(match errno {
             // No clone3, an unknown flag, or a filter refusing it: std's way still works.
             libc::ENOSYS | libc::EINVAL | libc::EPERM => {
-                UNSUPPORTED.store(true, Ordering::Relaxed);
+                if !UNSUPPORTED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(error = %source, "clone3 refused; workers start through std's posix_spawn from now on");
+                }
                 CloneExecError::Unsupported(source)
             }
             _ => CloneExecError::Failed {
@@ -310,52 +322,52 @@ unsafe fn clone_vfork(
     )))
 }
 
-/// The child, on the borrowed stack, in the parent's memory: system calls only.
+/// The child, on the borrowed stack, in the parent's memory: system calls only, no
+/// iterator or closure (nothing that could hold a panic path, even in a debug build).
 ///
 /// # Safety
 /// Called once, by the clone trampoline, with the parent's `ChildArgs`.
+#[cfg(target_arch = "x86_64")]
 unsafe extern "C" fn child_main(args: *mut ChildArgs) -> ! {
     // SAFETY (whole body): `args` is valid (the parent is held until we exec or exit), and
     // every call is a plain system-call wrapper that neither allocates nor locks.
     unsafe {
-        let a = &mut *args;
-        let fail = |a: &mut ChildArgs, step: c_int| -> ! {
-            a.errno = *libc::__errno_location();
-            a.failed_step = step;
-            libc::_exit(127)
-        };
-        if libc::setpgid(0, 0) != 0 {
-            fail(a, 1);
-        }
-        for (target, &fd) in a.stdio.iter().enumerate() {
-            // dup2 leaves the copy without close-on-exec; the originals (3 and above) have it.
-            if libc::dup2(fd, target as c_int) < 0 {
-                fail(a, 2);
-            }
-        }
-        // Whatever else is open without close-on-exec (descriptors the supervisor inherited:
-        // a terminal, a build tool's jobserver pipe) is not the worker's. Best effort: a
-        // kernel without close_range (before 5.9) leaves them.
-        libc::syscall(
-            libc::SYS_close_range,
-            3 as libc::c_uint,
-            libc::c_uint::MAX,
-            0 as libc::c_uint,
-        );
-        if libc::chdir(a.cwd) != 0 {
-            fail(a, 3);
-        }
-        if libc::signal(libc::SIGPIPE, libc::SIG_DFL) == libc::SIG_ERR
-            || libc::sigprocmask(libc::SIG_SETMASK, &a.empty_mask, std::ptr::null_mut()) != 0
+        let step = if libc::setpgid(0, 0) != 0 {
+            1
+        } else if libc::dup2((*args).stdio[0], 0) < 0
+            || libc::dup2((*args).stdio[1], 1) < 0
+            || libc::dup2((*args).stdio[2], 2) < 0
         {
-            fail(a, 4);
-        }
-        libc::execve(a.path, a.argv, a.envp);
-        fail(a, 5)
+            2
+        } else {
+            // Whatever else is open without close-on-exec (descriptors the supervisor
+            // inherited: a terminal, a build tool's jobserver pipe) is not the worker's. Best
+            // effort: a kernel without close_range (before 5.9) leaves them.
+            libc::syscall(
+                libc::SYS_close_range,
+                3 as libc::c_uint,
+                libc::c_uint::MAX,
+                0 as libc::c_uint,
+            );
+            if libc::chdir((*args).cwd) != 0 {
+                3
+            } else if libc::signal(libc::SIGPIPE, libc::SIG_DFL) == libc::SIG_ERR
+                || libc::sigprocmask(libc::SIG_SETMASK, &(*args).empty_mask, std::ptr::null_mut())
+                    != 0
+            {
+                4
+            } else {
+                libc::execve((*args).path, (*args).argv, (*args).envp);
+                5
+            }
+        };
+        (*args).errno = *libc::__errno_location();
+        (*args).failed_step = step;
+        libc::_exit(127)
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use std::ffi::CString;
     use std::os::fd::AsFd;

@@ -19,10 +19,12 @@
 //! - [`become_subreaper`] and [`reap_orphans`] catch descendants that escaped their group with
 //!   `setsid` and were re-parented to the supervisor.
 //!
-//! Layout: `clone_exec` starts a worker (clone3 + execve) for the common case; `stat` parses `/proc/<pid>/stat`; `fingerprint` reads the boot id and fingerprints;
-//! `liveness` gives verdicts and scans process groups; `pidfd` wraps the pidfd syscalls and the
-//! open-then-verify step; `signal` holds the signaller and the terminate sequences; `subreaper`
-//! adopts and reaps orphans.
+//! Layout: `clone_exec` starts a worker (clone3 + execve) in the common case; `stat` parses
+//! `/proc/<pid>/stat`; `fingerprint` reads the boot id and fingerprints; `liveness` gives
+//! verdicts and scans process groups; `pidfd` wraps the pidfd syscalls and the
+//! open-then-verify step; `signal` holds the signaller and the terminate sequences;
+//! `subreaper` adopts and reaps orphans; `descendants` finds what escaped a worker's group;
+//! `owned` tracks the children whose owners reap them.
 
 pub mod clone_exec;
 pub mod descendants;
