@@ -230,12 +230,16 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     // orphan reaper must leave it to its actor. Other spawns proceed meanwhile.
     let owned = process::owned::spawning();
     let cloned = match clone_start.as_ref().map(|c| c.start(&log)) {
-        Some(Ok(pidfd)) => Some(pidfd),
+        Some(Ok(started)) => Some(started),
         Some(Err(Start::Failed(e))) => return Err(failed(&e)),
         Some(Err(Start::Elsewise)) | None => None,
     };
+    let mut in_flight = None;
     let (pid, pidfd) = match cloned {
-        Some(pidfd) => (pidfd.pid(), Ok(pidfd)),
+        Some(started) => {
+            in_flight = started.in_flight;
+            (started.pidfd.pid(), Ok(started.pidfd))
+        }
         None => {
             let child = std_command(spec, program, args, found.as_deref(), own_path, log)?
                 .spawn()
@@ -247,6 +251,8 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         }
     };
     owned.register(pid);
+    // Registered: no longer a spawn in flight to anyone walking recent pids.
+    drop(in_flight);
     drop(owned);
     // The child is ours and not yet reaped, so its pid cannot be recycled before these reads:
     // the pidfd and the fingerprint are certainly this process's. Without either, nobody could
@@ -457,14 +463,14 @@ impl CloneStart {
     }
 
     /// Starts it: stdin is /dev/null, stdout and stderr `log`.
-    fn start(&self, log: &File) -> Result<PidFd, Start> {
+    fn start(&self, log: &File) -> Result<process::clone_exec::Started, Start> {
         use process::clone_exec::{CloneExecError, spawn_leader};
         use std::os::fd::AsFd;
         let null = dev_null().map_err(Start::Failed)?;
         let stdio = [null.as_fd(), log.as_fd(), log.as_fd()];
         let (argv, envp) = (self.argv.pointers(), self.envp.pointers());
         match spawn_leader(&self.path, &argv, &envp, &self.cwd, stdio) {
-            Ok(pidfd) => Ok(pidfd),
+            Ok(started) => Ok(started),
             Err(CloneExecError::Unsupported(_)) => Err(Start::Elsewise),
             // exec's and chdir's errors read as std's would; the other steps are named.
             Err(CloneExecError::Failed { step, source }) if step == "execve" || step == "chdir" => {

@@ -346,6 +346,16 @@ impl WorkerActor {
         let young = self
             .spawned_at
             .is_some_and(|t| t.elapsed() < RECENT_PROBE_MAX_AGE);
+        // Most exits of a short-lived worker are settled here, without the probe's hop to the
+        // blocking pool: its group is empty and every pid handed out since its own is ours
+        // or names nothing, by syscalls that never wait on another process.
+        if young
+            && self.adopted_started_at.is_none()
+            && pidfd.group_exists_now() == Some(false)
+            && descendants::only_ours_since(pidfd.pid())
+        {
+            return self.record_exit_probed(pidfd, status, false, ctx);
+        }
         let (token, probe_fd, run_id) = (self.spec.token.clone(), pidfd.clone(), self.run_id());
         async move {
             match probe_tree(probe_fd, token, young).await {

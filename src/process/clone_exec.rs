@@ -74,6 +74,13 @@ struct ChildArgs {
 /// The child's steps, by the index it reports.
 const STEPS: [&str; 6] = ["", "setpgid", "dup2", "chdir", "reset signals", "execve"];
 
+/// A child [`spawn_leader`] started: its pidfd, and its pid's claim in
+/// [`super::owned::in_flight`] (if one was free), to be dropped once the pid is registered.
+pub struct Started {
+    pub pidfd: PidFd,
+    pub in_flight: Option<super::owned::InFlight>,
+}
+
 /// Starts `path` (argv and envp: NULL-terminated arrays of NUL-terminated strings) in `cwd`
 /// as a process-group leader with the given stdio, and returns its pidfd. The child is not
 /// reaped: it is the caller's to wait for (through the pidfd) and to reap.
@@ -83,7 +90,7 @@ pub fn spawn_leader(
     envp: &[*const c_char],
     cwd: &CStr,
     stdio: [BorrowedFd<'_>; 3],
-) -> Result<PidFd, CloneExecError> {
+) -> Result<Started, CloneExecError> {
     if !available() {
         return Err(CloneExecError::Unsupported(io::Error::from_raw_os_error(
             libc::ENOSYS,
@@ -130,6 +137,7 @@ pub fn spawn_leader(
         failed_step: 0,
         errno: 0,
     };
+    let in_flight = super::owned::in_flight();
     let (pid, pidfd) = STACK.with(|cell| -> Result<(Pid, OwnedFd), CloneExecError> {
         let mut slot = cell.borrow_mut();
         let stack = match &mut *slot {
@@ -141,7 +149,7 @@ pub fn spawn_leader(
         // SAFETY: the stack is this thread's and unused (CLONE_VFORK: the previous child
         // left it when it exec'd or exited); `args` and everything it points to outlive
         // the call, which returns only once the child no longer runs on our memory.
-        unsafe { clone_vfork(stack, &mut args) }
+        unsafe { clone_vfork(stack, &mut args, in_flight.as_ref().map(|f| f.slot())) }
     })?;
     drop(raised);
     // SAFETY: the child is done with `args` (exec'd or exited: CLONE_VFORK).
@@ -149,7 +157,9 @@ pub fn spawn_leader(
     if step != 0 {
         let errno = unsafe { std::ptr::read_volatile(&args.errno) };
         // Our own child, failed before exec: reap it now, as posix_spawn does, so no
-        // zombie is left to anyone. Its pidfd keeps the pid from being reused meanwhile.
+        // zombie is left to anyone. Its pidfd keeps the pid from being reused meanwhile; the
+        // in-flight claim goes first (a reaped pid is nobody's).
+        drop(in_flight);
         reap(pid);
         drop(pidfd);
         return Err(CloneExecError::Failed {
@@ -157,7 +167,10 @@ pub fn spawn_leader(
             source: io::Error::from_raw_os_error(errno),
         });
     }
-    Ok(PidFd::from_owned(pidfd, pid))
+    Ok(Started {
+        pidfd: PidFd::from_owned(pidfd, pid),
+        in_flight,
+    })
 }
 
 /// Waits for our own child `pid` and reaps it (retrying an interrupted wait).
@@ -252,6 +265,7 @@ const CLONE_CLEAR_SIGHAND: u64 = 0x1_0000_0000;
 unsafe fn clone_vfork(
     stack: &ChildStack,
     args: &mut ChildArgs,
+    parent_tid: Option<*mut i32>,
 ) -> Result<(Pid, OwnedFd), CloneExecError> {
     let mut pidfd: c_int = -1;
     let (base, size) = stack.area();
@@ -259,6 +273,11 @@ unsafe fn clone_vfork(
     let mut cl: libc::clone_args = unsafe { std::mem::zeroed() };
     cl.flags =
         (libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_PIDFD) as u64 | CLONE_CLEAR_SIGHAND;
+    if let Some(slot) = parent_tid {
+        // The kernel writes the child's pid there before the child first runs.
+        cl.flags |= libc::CLONE_PARENT_SETTID as u64;
+        cl.parent_tid = slot as u64;
+    }
     cl.pidfd = &mut pidfd as *mut c_int as u64;
     cl.exit_signal = libc::SIGCHLD as u64;
     cl.stack = base;
@@ -315,6 +334,7 @@ unsafe fn clone_vfork(
 unsafe fn clone_vfork(
     _stack: &ChildStack,
     _args: &mut ChildArgs,
+    _parent_tid: Option<*mut i32>,
 ) -> Result<(Pid, OwnedFd), CloneExecError> {
     UNSUPPORTED.store(true, Ordering::Relaxed);
     Err(CloneExecError::Unsupported(io::Error::from_raw_os_error(
@@ -395,6 +415,7 @@ mod tests {
             &cwd,
             [null.as_fd(), null.as_fd(), null.as_fd()],
         )
+        .map(|started| started.pidfd)
     }
 
     #[test]
@@ -421,6 +442,35 @@ mod tests {
         assert!(matches!(pidfd.try_reap(), Ok(Some(_))));
         let out = std::fs::read_to_string(dir.path().join("out")).unwrap();
         assert_eq!(out, format!("/bin/sh hello {}", dir.path().display()));
+    }
+
+    #[test]
+    fn a_started_child_is_in_flight_until_its_claim_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_argv, argv) = cstrings(&["/bin/true"]);
+        let (_env, env) = cstrings(&[]);
+        let cwd = CString::new(dir.path().to_str().unwrap()).unwrap();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let path = CString::new("/bin/true").unwrap();
+        let started = spawn_leader(
+            &path,
+            &argv,
+            &env,
+            &cwd,
+            [null.as_fd(), null.as_fd(), null.as_fd()],
+        )
+        .expect("started");
+        let pid = started.pidfd.pid();
+        // Eight slots; parallel tests may hold some, but not all of them.
+        let claim = started.in_flight.expect("a free in-flight slot");
+        assert!(
+            super::super::owned::is_in_flight(pid),
+            "the kernel wrote the pid"
+        );
+        drop(claim);
+        assert!(!super::super::owned::is_in_flight(pid));
+        assert!(started.pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+        assert!(matches!(started.pidfd.try_reap(), Ok(Some(_))));
     }
 
     #[test]

@@ -161,6 +161,56 @@ pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
     }
 }
 
+/// Whether nothing can have escaped an exited `leader` (a worker of ours started moments
+/// ago): every pid handed out since its own is a child of ours that its owner will reap
+/// (another worker, a hook), one being started (see `owned::in_flight`), a thread of ours,
+/// or names no process — proven with system calls that never wait on another process
+/// (`kill(pid, 0)`, `tgkill(us, pid, 0)`), unlike the reads of [`carrier_among_recent`] (an
+/// environment, `kcmp`), which wait for a process in the middle of an exec. `false` is only
+/// "not proven": a live process that is not ours (a start through std between its fork and
+/// its registration is one), more than `RECENT_PROBE_LIMIT` pids, the numbering wrapped, or
+/// ns_last_pid unreadable; the caller then looks the long way. Cheap enough for an actor
+/// thread: a few syscalls per pid handed out since the leader's.
+pub fn only_ours_since(leader: Pid) -> bool {
+    let me = std::process::id() as Pid;
+    let Some(mut last) = last_pid() else {
+        return false;
+    };
+    let mut pid = leader;
+    loop {
+        if last < leader || last - leader > RECENT_PROBE_LIMIT as Pid {
+            return false;
+        }
+        while pid < last {
+            pid += 1;
+            let ours = super::owned::is_registered(pid) || super::owned::is_in_flight(pid);
+            if !(ours || names_nothing(pid) || thread_of(me, pid)) {
+                return false;
+            }
+        }
+        // A descendant may have forked (and its parent exited) while we walked: the walk goes
+        // on over the pids handed out meanwhile until none was.
+        match last_pid() {
+            Some(now) if now == last => return true,
+            Some(now) => last = now,
+            None => return false,
+        }
+    }
+}
+
+/// `kill(pid, 0)` says no process (nor thread) has the number.
+fn names_nothing(pid: Pid) -> bool {
+    // SAFETY: signal 0 checks existence and permission; nothing is sent.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+/// `tid` is a thread of process `me` (signal 0 to it within our thread group).
+fn thread_of(me: Pid, tid: Pid) -> bool {
+    // SAFETY: signal 0 checks existence; nothing is sent.
+    unsafe { libc::syscall(libc::SYS_tgkill, me, tid, 0) == 0 }
+}
+
 /// What one syscall tells about a pid, before any /proc read (see [`kin`]).
 enum Kin {
     /// No process has it.
@@ -466,6 +516,29 @@ mod tests {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    #[test]
+    fn a_live_process_started_after_the_leader_that_is_not_ours_is_never_passed_over() {
+        use std::process::{Command, Stdio};
+        let spawn = || {
+            Command::new("sleep")
+                .arg("30")
+                .stdin(Stdio::null())
+                .spawn()
+                .unwrap()
+        };
+        let mut leader = spawn();
+        let leader_pid = leader.id() as Pid;
+        let _ = leader.kill();
+        let _ = leader.wait();
+        let mut stranger = spawn();
+        assert!(
+            !only_ours_since(leader_pid),
+            "a live unregistered process after the leader"
+        );
+        let _ = stranger.kill();
+        let _ = stranger.wait();
     }
 
     #[test]

@@ -6,13 +6,15 @@
 //! process (embedding, tests), so the set is global, not per supervisor.
 //!
 //! Two locks: a gate that spawners share from before the fork until the new pid is registered
-//! (many spawns run at once; posix_spawn holds its caller until the child has exec'd) and that
+//! (many spawns run at once; a vfork-style start holds its caller until the child has exec'd)
+//! and that
 //! the orphan reaper takes exclusively from its check to its `waitpid`; and the set itself,
 //! only ever held for a lookup or an update. A child that exits at once can therefore never
 //! be reaped as an orphan before its owner registered it, and an owner's `unregister` never
 //! waits for somebody else's fork.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::Pid;
@@ -58,6 +60,47 @@ impl ReapGuard {
 /// Taken by the orphan reaper around each check-then-waitpid.
 pub fn reaping() -> ReapGuard {
     ReapGuard(gate().write().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// Pids of children started by [`super::clone_exec`] and not yet registered: the kernel
+/// writes each into its slot (`CLONE_PARENT_SETTID`) before the child first runs, and the slot
+/// is cleared once the pid is registered (or the start failed). Lets a walk over recent pids
+/// tell a spawn in flight from a stranger without reading the process (see
+/// `descendants::only_ours_since`). 0: free; -1: claimed, pid not yet written.
+static IN_FLIGHT: [AtomicI32; 8] = [const { AtomicI32::new(0) }; 8];
+
+/// A claimed [`IN_FLIGHT`] slot; freed on drop.
+pub struct InFlight(&'static AtomicI32);
+
+impl InFlight {
+    /// Where the kernel is to write the child's pid.
+    pub fn slot(&self) -> *mut i32 {
+        self.0.as_ptr()
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Release);
+    }
+}
+
+/// Claims a slot for a start about to be made; `None` when all are taken (that start's child
+/// is then a stranger to the walk until registered, which only makes the walk give up).
+pub fn in_flight() -> Option<InFlight> {
+    IN_FLIGHT.iter().find_map(|slot| {
+        slot.compare_exchange(0, -1, Ordering::AcqRel, Ordering::Relaxed)
+            .ok()
+            .map(|_| InFlight(slot))
+    })
+}
+
+/// True if `pid` is a child being started (written to an [`IN_FLIGHT`] slot).
+pub fn is_in_flight(pid: Pid) -> bool {
+    pid > 0
+        && IN_FLIGHT
+            .iter()
+            .any(|slot| slot.load(Ordering::Acquire) == pid)
 }
 
 /// Marks `pid` as a child whose owner will reap it.

@@ -130,6 +130,19 @@ impl PidFd {
         group_fallback::group_exists(self)
     }
 
+    /// [`Self::group_exists`] by its one syscall, which never waits on another process;
+    /// `None` where that syscall is not available (kernels before 6.9 scan /proc instead).
+    pub fn group_exists_now(&self) -> Option<bool> {
+        if group_fallback::use_fallback() {
+            return None;
+        }
+        match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
+            Ok(()) => Some(true),
+            Err(ProcessError::NoSuchProcess { .. }) => Some(false),
+            Err(_) => None,
+        }
+    }
+
     pub(super) fn send_raw(
         &self,
         sig: libc::c_int,
