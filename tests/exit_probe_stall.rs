@@ -32,8 +32,9 @@ fn an_exit_whose_probe_never_answers_is_recorded_and_its_evidence_cleared_later(
     config
         .assignees
         // Older at its exit than the age below which an exit can be settled without the
-        // probe (250 ms): its exit takes the (stalled) probe.
-        .insert("w".into(), AssigneeConfig::new(["sleep", "0.4"]));
+        // probe (250 ms, counted from when its actor got it): its exit takes the (stalled)
+        // probe.
+        .insert("w".into(), AssigneeConfig::new(["sleep", "1"]));
     let sup = Supervisor::start(config).expect("start");
     let task = add(&sup, task_for("t", "w"));
     let done = sup.wait_for(task, DONE_WITHIN).expect("the task ends");

@@ -19,10 +19,13 @@ fn a_young_worker_that_leaves_an_escapee_keeps_its_evidence_until_the_escapee_is
     let td = TestDir::new();
     let mut config = lib_config(&td);
     // Exits within milliseconds of its start (well under the 250 ms below which an exit may
-    // be settled without the probe), its escapee forked before it exits.
-    config
-        .assignees
-        .insert("w".into(), sh_assignee("setsid sleep 309 & exit 0"));
+    // be settled without the probe), once its escapee has left its group (the escapee opens
+    // the FIFO after its setsid; the leader waits for that): the group is empty at the exit,
+    // so the walk over recent pids is what must see the escapee.
+    config.assignees.insert(
+        "w".into(),
+        sh_assignee("mkfifo f; setsid sh -c ': > f; exec sleep 309' & read _ < f; exit 0"),
+    );
     let sup = Supervisor::start(config).expect("start");
     let task = add(&sup, task_for("escape", "w"));
     let done = sup.wait_for(task, SETTLE).expect("the task ends");

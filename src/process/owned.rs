@@ -7,11 +7,10 @@
 //!
 //! Two locks: a gate that spawners share from before the fork until the new pid is registered
 //! (many spawns run at once; a vfork-style start holds its caller until the child has exec'd)
-//! and that
-//! the orphan reaper takes exclusively from its check to its `waitpid`; and the set itself,
-//! only ever held for a lookup or an update. A child that exits at once can therefore never
-//! be reaped as an orphan before its owner registered it, and an owner's `unregister` never
-//! waits for somebody else's fork.
+//! and that the orphan reaper takes exclusively from its check to its `waitpid`; and the set
+//! itself, only ever held for a lookup or an update. A child that exits at once can therefore
+//! never be reaped as an orphan before its owner registered it, and an owner's `unregister`
+//! never waits for somebody else's fork.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicI32, Ordering};

@@ -139,7 +139,11 @@ impl PidFd {
         match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
             Ok(()) => Some(true),
             Err(ProcessError::NoSuchProcess { .. }) => Some(false),
-            Err(_) => None,
+            Err(err) => {
+                // Recorded once (EINVAL: the flag is missing), so later calls skip the syscall.
+                group_fallback::is_flag_unsupported(&err);
+                None
+            }
         }
     }
 
