@@ -376,8 +376,8 @@ struct Profile {
     rw_spawn_cpu_us: f64,
     /// `kill(-pgid, 0)`: the O(1) alternative (ESRCH = no member left).
     kill0_us: f64,
-    /// One dispatch pass's reads (`ready_candidates(64)` + `slot_holders_by_assignee`) on a board
-    /// with N ready tasks.
+    /// One dispatch pass's reads (`ready_candidates_for` one assignee, 64 +
+    /// `slot_holders_by_assignee`) on a board with N ready tasks.
     pass_read_us: f64,
     log_tail_us: f64,
     procs: usize,
@@ -544,11 +544,12 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
         })
         .map_err(|e| e.to_string())?;
     let limit = (opts.parallel as u32).saturating_mul(4).max(64);
+    let assignee = ["true".to_string()];
     let t = Instant::now();
     for _ in 0..K {
         board
             .read(|tx| {
-                std::hint::black_box(tx.ready_candidates(now, limit)?);
+                std::hint::black_box(tx.ready_candidates_for(now, &assignee, limit)?);
                 std::hint::black_box(tx.slot_holders_by_assignee()?);
                 Ok(())
             })

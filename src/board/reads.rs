@@ -260,7 +260,7 @@ impl Tx<'_> {
     /// Ready tasks claimable at `now`, in claim order (priority, then age), at most `limit`.
     pub fn ready_candidates(&self, now: Millis, limit: u32) -> Result<Vec<Task>> {
         let sql = format!(
-            "SELECT {TASK_COLS} FROM tasks INDEXED BY tasks_ready \
+            "SELECT {TASK_COLS} FROM tasks INDEXED BY tasks_status \
              WHERE status = 'ready' AND not_before <= ?1 \
              {NO_LIVE_PREVIOUS_WORKER} ORDER BY priority DESC, created_at, id LIMIT ?2"
         );

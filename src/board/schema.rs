@@ -156,6 +156,12 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX runs_holding ON task_runs(assignee)
         WHERE ended_at IS NULL OR worker_start_ticks IS NOT NULL OR spawn_pending = 1;
     "#,
+    // v6: dispatch reads ready tasks per assignee (`tasks_ready_assignee`); the index of all
+    // ready tasks in claim order served no query of the supervisor's and cost every create and
+    // every claim an index write (and a page at each commit).
+    r#"
+    DROP INDEX IF EXISTS tasks_ready;
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -293,6 +299,15 @@ mod tests {
             )
             .unwrap();
         assert_eq!(index, 1);
+        // v6: the index of all ready tasks is gone (a v2 board had it).
+        let ready: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = 'tasks_ready'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(ready, 0, "tasks_ready is dropped");
         let check: String = conn
             .query_row("PRAGMA integrity_check", [], |r| r.get(0))
             .unwrap();
