@@ -435,8 +435,8 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
             .map_err(|e| e.to_string())?;
         p.commit_ms.push(us(t) / 1e3);
 
-        // 1. The supervisor's spawn path: work dir, log file, posix_spawn with a process group,
-        //    pidfd_open, fingerprint (/proc/<pid>/stat).
+        // 1. The supervisor's spawn path: work dir, log file, clone3 + execve with a process
+        //    group (the pidfd from the clone), fingerprint (/proc/<pid>/stat).
         let spec = SpawnSpec {
             run_id: i as i64,
             task_id: i as i64,
@@ -466,7 +466,8 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
         child.pidfd.try_reap().map_err(|e| e.to_string())?;
         process::owned::unregister(child.pid);
 
-        // 2. The same, piece by piece.
+        // 2. The same through std's Command (posix_spawn, the path for workers with a user,
+        //    umask or rlimits), piece by piece.
         let t = Instant::now();
         let cwd = dir.join("work2").join(i.to_string());
         std::fs::create_dir_all(&cwd).map_err(e)?;
@@ -514,8 +515,8 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
         child.wait().map_err(e)?;
     }
 
-    // On every worker exit the WorkerActor asks `group_alive(pid)` on the actor thread: a
-    // scan of every /proc/<pid>/stat.
+    // What asking whether a group has members costs by a scan of every /proc/<pid>/stat (the
+    // way on kernels before 6.9) against the one syscall a worker's exit uses now.
     let t = Instant::now();
     let c0 = thread_cpu_ns();
     for _ in 0..K {
@@ -1048,7 +1049,7 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     if !opts.skip_profile {
         let pr = micro_profile(opts, base)?;
         let line = format!(
-            "lifecycle.profile: commit({sync}) p50={:.2}ms p99={:.2}ms | runwarden spawn() p50={:.0}us p99={:.0}us cpu={:.0}us = files {:.0} (p99 {:.0}) + Command::spawn(cwd,pgroup,log,env) {:.0} + pidfd+fingerprint {:.0} (plain Command::spawn p50={:.0}us p99={:.0}us) | group_alive={:.0}us/call cpu={:.0}us ({} procs) vs kill(-pgid,0)={:.1}us | pass reads={:.0}us | log_tail={:.0}us",
+            "lifecycle.profile: commit({sync}) p50={:.2}ms p99={:.2}ms | runwarden spawn() p50={:.0}us p99={:.0}us cpu={:.0}us; through std: files {:.0} (p99 {:.0}) + Command::spawn(cwd,pgroup,log,env) {:.0} + pidfd+fingerprint {:.0} (plain Command::spawn p50={:.0}us p99={:.0}us) | group_alive={:.0}us/call cpu={:.0}us ({} procs) vs kill(-pgid,0)={:.1}us | pass reads={:.0}us | log_tail={:.0}us",
             percentile(&pr.commit_ms, 50.0),
             percentile(&pr.commit_ms, 99.0),
             percentile(&pr.rw_spawn_us, 50.0),
