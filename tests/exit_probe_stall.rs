@@ -1,8 +1,9 @@
 //! A worker's exit is recorded even when the probe for its escaped descendants never answers
 //! (it reads other processes' environments in /proc; one stuck in an exec on a hung FUSE or
-//! NFS mount makes that read wait until the mount answers): after a bounded wait the run closes as if its tree
-//! had outlived the leader — evidence kept — and the tree is ended and the evidence cleared
-//! afterwards. The stall is the library's test hook (process-wide: this file is its own test
+//! NFS mount makes that read wait until the mount answers): after a bounded wait the run
+//! closes as if its tree had outlived the leader — evidence kept — and the tree is ended and
+//! the evidence cleared afterwards, and the supervisor's shutdown does not wait for the stuck
+//! probe. The stall is the library's test hook (process-wide: this file is its own test
 //! binary); it stalls the exit's probe only, not the tree end after it (with a real hung mount
 //! that waits for the mount too). A real hung mount was used to reproduce the hang once, by
 //! hand.
@@ -26,6 +27,7 @@ const DONE_WITHIN: Duration = Duration::from_secs(10);
 
 #[test]
 fn an_exit_whose_probe_never_answers_is_recorded_and_its_evidence_cleared_later() {
+    let start = std::time::Instant::now();
     runwarden::actors::worker::stall_exit_probes(STALL);
     let td = TestDir::new();
     let mut config = lib_config(&td);
@@ -48,5 +50,16 @@ fn an_exit_whose_probe_never_answers_is_recorded_and_its_evidence_cleared_later(
     let run = db.run(run.id);
     assert_eq!(run.worker_pid, None, "evidence cleared: {run:?}");
     runwarden::actors::worker::stall_exit_probes(Duration::ZERO);
+    // The stalled probe runs on a thread of its own, not the runtime's blocking pool: the
+    // supervisor's end does not wait for it (the probe stalls until ~STALL after the exit).
     sup.shutdown();
+    assert!(
+        start.elapsed() < STALL,
+        "the shutdown waited for the stuck probe ({:?} after the start)",
+        start.elapsed()
+    );
+    assert!(
+        runwarden::actors::proc_thread::running() >= 1,
+        "the probe must still be stalled here, or the check above proves nothing"
+    );
 }

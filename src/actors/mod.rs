@@ -5,11 +5,14 @@
 //! - [`worker::WorkerActor`]: one per live run; owns the child, its pidfd and fingerprint.
 //! - [`reaper::ReaperActor`]: ends workers whose run is closed, after the grace.
 //!
-//! `outcome` (what an exit means) and `spawn` (starting a child) are the workers' helpers.
+//! `outcome` (what an exit means) and `spawn` (starting a child) are the workers' helpers;
+//! `proc_thread` runs `/proc` scans, which can block for as long as a hung mount, off the
+//! runtime's blocking pool.
 
 pub mod dispatcher;
 pub mod hooks;
 pub mod outcome;
+pub mod proc_thread;
 pub mod reaper;
 pub mod spawn;
 pub mod store;

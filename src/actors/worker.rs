@@ -84,16 +84,16 @@ fn tree_outlives_leader(pidfd: &PidFd, token: &str, young: bool) -> bool {
             .unwrap_or_else(|| !descendants::find_by_token(token).is_empty())
 }
 
-/// [`tree_outlives_leader`] on the blocking pool, answered within [`EXIT_PROBE_WAIT`]: `None`
-/// when it was not (or the probe died). A stuck probe keeps its blocking thread until the
-/// process it reads can be read again (so does the tree end that follows); the number of
-/// probes is not capped, since a cap would make healthy exits wait for stuck ones.
+/// [`tree_outlives_leader`] on a thread of its own ([`super::proc_thread`]), answered within
+/// [`EXIT_PROBE_WAIT`]: `None` when it was not (or the probe died). A stuck probe keeps its
+/// thread until the process it reads can be read again (so does the tree end that follows);
+/// nothing queues behind it, and the number of probes is not capped, since a cap would make
+/// healthy exits wait for stuck ones.
 async fn probe_tree(pidfd: Arc<PidFd>, token: String, young: bool) -> Option<bool> {
-    let probe = actix_rt::task::spawn_blocking(move || tree_outlives_leader(&pidfd, &token, young));
-    tokio::time::timeout(EXIT_PROBE_WAIT, probe)
-        .await
-        .ok()?
-        .ok()
+    let probe = super::proc_thread::run("exit probe", move || {
+        tree_outlives_leader(&pidfd, &token, young)
+    });
+    tokio::time::timeout(EXIT_PROBE_WAIT, probe).await.ok()?
 }
 
 /// Borrowed view of the pidfd for tokio's reactor.
@@ -346,8 +346,8 @@ impl WorkerActor {
         let young = self
             .spawned_at
             .is_some_and(|t| t.elapsed() < RECENT_PROBE_MAX_AGE);
-        // Most exits of a short-lived worker are settled here, without the probe's hop to the
-        // blocking pool: its group is empty and every pid handed out since its own is ours
+        // Most exits of a short-lived worker are settled here, without the probe's hop to a
+        // thread of its own: its group is empty and every pid handed out since its own is ours
         // or names nothing, by syscalls that never wait on another process.
         if young
             && self.adopted_started_at.is_none()
@@ -451,8 +451,8 @@ impl WorkerActor {
         .wait(ctx);
     }
 
-    /// Ends the worker's whole tree (group + token-carrying descendants) on the blocking pool:
-    /// blocking waits never run on an actor thread. With `then_clear`, the run's evidence is
+    /// Ends the worker's whole tree (group + token-carrying descendants) on a thread of its own
+    /// ([`super::proc_thread`]): blocking waits never run on an actor thread. With `then_clear`, the run's evidence is
     /// cleared once the tree is gone (the leader exited before its group did). Only one
     /// tree-end runs at a time; the actor stays alive (and owned) until it is done, so nobody
     /// else starts a second kill or clears the evidence early.
@@ -463,22 +463,22 @@ impl WorkerActor {
         }
         self.tree_ending = true;
         // The signal the worker waits for goes out now, from this thread, when that is one
-        // syscall: the pool thread below (the /proc scan for escaped descendants, the wait,
+        // syscall: the thread below (the /proc scan for escaped descendants, the wait,
         // SIGKILL) may start late when many trees end at once. It repeats the SIGTERM; harmless.
         pidfd.signal_group_at_once(process::Signal::SIGTERM);
         let (run_id, token, kill) = (self.run_id(), self.spec.token.clone(), self.kill_timeout);
         let pid = pidfd.pid();
         async move {
-            match actix_rt::task::spawn_blocking(move || descendants::terminate_tree(&pidfd, &token, kill)).await {
-                Ok(Ok(how)) => Some(how.as_str()),
-                Ok(Err(e)) => {
+            let end = super::proc_thread::run("tree end", move || {
+                descendants::terminate_tree(&pidfd, &token, kill)
+            });
+            match end.await {
+                Some(Ok(how)) => Some(how.as_str()),
+                Some(Err(e)) => {
                     tracing::warn!(run_id, error = %e, "worker: terminate failed; evidence kept for the reaper");
                     None
                 }
-                Err(e) => {
-                    tracing::warn!(run_id, error = %e, "worker: terminate task failed");
-                    None
-                }
+                None => None,
             }
         }
         .into_actor(self)

@@ -583,7 +583,9 @@ impl DispatcherActor {
         // left to the host.
         let subreaper = self.config.supervisor.subreaper;
         let store = self.store.clone();
-        actix_rt::task::spawn_blocking(move || {
+        // Off the runtime's blocking pool: the scan can wait on a process stuck on a hung
+        // mount (see proc_thread); the round's flag keeps it to one at a time.
+        crate::actors::proc_thread::spawn("tick chores", move || {
             let _running = running;
             if subreaper {
                 // One /proc scan per tick serves both sweeps below.
