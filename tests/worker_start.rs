@@ -95,26 +95,29 @@ fn a_worker_starts_with_its_run_environment_stdio_group_dir_and_default_signals(
         );
     }
 
-    // Only 0, 1, 2: everything else of the supervisor's is close-on-exec.
-    let mut fds: Vec<(i32, PathBuf)> = fs::read_dir(proc_dir.join("fd"))
-        .expect("fd dir")
-        .map(|e| {
-            let e = e.expect("fd entry");
-            let fd = e.file_name().to_string_lossy().parse().expect("fd number");
-            (fd, fs::read_link(e.path()).expect("fd link"))
-        })
-        .collect();
-    fds.sort();
+    // Only 0, 1, 2: everything else of the supervisor's is closed. (Read until it is so: the
+    // worker is recorded right after its exec, while `sleep` may still hold a locale file it
+    // opens as it starts.)
+    let fds = || -> Vec<(i32, PathBuf)> {
+        let mut fds: Vec<(i32, PathBuf)> = fs::read_dir(proc_dir.join("fd"))
+            .expect("fd dir")
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let fd = e.file_name().to_string_lossy().parse().ok()?;
+                Some((fd, fs::read_link(e.path()).ok()?))
+            })
+            .collect();
+        fds.sort();
+        fds
+    };
     let log = td.data_dir().join("logs").join(format!("{id}.log"));
-    assert_eq!(
-        fds,
-        [
-            (0, PathBuf::from("/dev/null")),
-            (1, log.clone()),
-            (2, log.clone())
-        ],
-        "the worker's descriptors"
-    );
+    let expected = [
+        (0, PathBuf::from("/dev/null")),
+        (1, log.clone()),
+        (2, log.clone()),
+    ];
+    wait_until(SETTLE, || fds() == expected);
+    assert_eq!(fds(), expected, "the worker's descriptors");
 
     let stat = read_stat(pid).expect("stat");
     assert_eq!(stat.pgrp, pid, "the worker leads its own process group");

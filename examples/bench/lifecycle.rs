@@ -466,8 +466,8 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
         child.pidfd.try_reap().map_err(|e| e.to_string())?;
         process::owned::unregister(child.pid);
 
-        // 2. The same through std's Command (posix_spawn, the path for workers with a user,
-        //    umask or rlimits), piece by piece.
+        // 2. The same through std's Command (posix_spawn; the supervisor's fallback where
+        //    clone3 is refused), piece by piece.
         let t = Instant::now();
         let cwd = dir.join("work2").join(i.to_string());
         std::fs::create_dir_all(&cwd).map_err(e)?;

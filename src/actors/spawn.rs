@@ -175,11 +175,11 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     }
     let log = open_log(&spec.log_path, spec.log_max_bytes)?;
 
-    // A bare name is looked up here, in the PATH the worker will have: given a PATH of its own,
-    // std would fall back from posix_spawn to fork + execvp in the child, and forking the
-    // supervisor (a large, multi-threaded process) made every start of e.g. `sh` 2.5× slower.
-    // Not when the start forks anyway — another user (whose permissions the lookup must
-    // use), or a umask or rlimits to set in the child: execvp's own lookup stays.
+    // A bare name is looked up here, in the PATH the worker will have: execve does not search
+    // PATH, and std, given a PATH of the child's own, would fork the whole supervisor (a large,
+    // multi-threaded process) to run execvp in the child. Not when the start forks anyway —
+    // another user (whose permissions the lookup must use), or a umask or rlimits to set in
+    // the child: execvp's own lookup stays.
     let forks_anyway = spec.uid.is_some()
         || spec.gid.is_some()
         || spec.umask.is_some()
@@ -288,7 +288,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     })
 }
 
-/// Why [`start_cloned`] did not start the worker.
+/// Why [`CloneStart::start`] did not start the worker.
 enum Start {
     /// Not this way here (see [`process::clone_exec`]); std's `Command` will.
     Elsewise,
@@ -325,19 +325,18 @@ fn for_each_worker_var(
             || is_run_var(key)
     };
     let own_path = own_path.filter(|_| !spec.env.contains_key("PATH"));
-    // As std splits them: at the first '=' after the first byte.
-    let split = |entry: &'static [u8]| {
-        let eq = entry.iter().skip(1).position(|&b| b == b'=')? + 1;
-        Some((&entry[..eq], &entry[eq + 1..]))
-    };
-    let inherited_vars: Vec<(&[u8], &[u8])> = environment().filter_map(split).collect();
-    for (i, &(key, value)) in inherited_vars.iter().enumerate() {
-        // A name our environment holds twice is passed once, its last value (as std does).
-        let again = inherited_vars[i + 1..].iter().any(|(k, _)| *k == key);
-        if !again && !set_below(key) {
-            f(key, value)?;
+    with_environment(|environ| {
+        let inherited_vars: Vec<(&[u8], &[u8])> =
+            environ.iter().copied().filter_map(split_var).collect();
+        for (i, &(key, value)) in inherited_vars.iter().enumerate() {
+            // A name our environment holds twice is passed once, its last value (as std does).
+            let again = inherited_vars[i + 1..].iter().any(|(k, _)| *k == key);
+            if !again && !set_below(key) {
+                f(key, value)?;
+            }
         }
-    }
+        Ok::<(), std::io::Error>(())
+    })?;
     if let Some(path) = own_path {
         f(b"PATH", path.as_bytes())?;
     }
@@ -352,30 +351,29 @@ fn for_each_worker_var(
     Ok(())
 }
 
-/// Our environment's `KEY=VALUE` entries, read in place.
-fn environment() -> impl Iterator<Item = &'static [u8]> {
-    unsafe extern "C" {
-        static environ: *const *const std::ffi::c_char;
-    }
-    // SAFETY: `environ` is libc's NULL-terminated array of NUL-terminated strings. Only
-    // `std::env::set_var`/`remove_var` change it, and their contract (they are `unsafe`)
-    // is that no other thread reads the environment meanwhile — as getenv would here;
-    // runwarden never calls them.
-    let mut at = unsafe { environ };
-    std::iter::from_fn(move || {
-        if at.is_null() {
-            return None;
-        }
-        // SAFETY: see above; `at` walks the array up to its NULL end.
-        unsafe {
-            let entry = *at;
-            if entry.is_null() {
-                return None;
-            }
+/// A `KEY=VALUE` entry split as std splits it: at the first '=' after the first byte.
+fn split_var(entry: &[u8]) -> Option<(&[u8], &[u8])> {
+    let eq = entry.iter().skip(1).position(|&b| b == b'=')? + 1;
+    Some((&entry[..eq], &entry[eq + 1..]))
+}
+
+/// Calls `f` with our environment's `KEY=VALUE` entries, read in place (valid for the call).
+fn with_environment<R>(f: impl FnOnce(&[&[u8]]) -> R) -> R {
+    // SAFETY: `environ` is libc's NULL-terminated array of NUL-terminated strings, read here as
+    // getenv reads it. It changes only through setenv/putenv/unsetenv (std's `set_var` and
+    // `remove_var` among them), which must not run while other threads read the environment
+    // (`set_var` is `unsafe` for that reason); runwarden never calls them. The entries are
+    // used only during `f`.
+    let entries: Vec<&[u8]> = unsafe {
+        let mut at = std::ptr::read(&raw const libc::environ) as *const *const std::ffi::c_char;
+        let mut entries = Vec::new();
+        while !at.is_null() && !(*at).is_null() {
+            entries.push(std::ffi::CStr::from_ptr(*at).to_bytes());
             at = at.add(1);
-            Some(std::ffi::CStr::from_ptr(entry).to_bytes())
         }
-    })
+        entries
+    };
+    f(&entries)
 }
 
 /// NUL-terminated strings in one buffer, and the NULL-terminated pointer array execve wants.
@@ -497,7 +495,7 @@ fn dev_null() -> std::io::Result<std::rc::Rc<File>> {
 }
 
 /// The worker's start through std's `Command` (posix_spawn, or fork + exec when the child
-/// must change its user, umask or rlimits): for what [`start_cloned`] does not do.
+/// must change its user, umask or rlimits): for what [`CloneStart::start`] does not do.
 fn std_command(
     spec: &SpawnSpec,
     program: &str,
@@ -524,7 +522,8 @@ fn std_command(
         .stdout(log)
         .stderr(log_err)
         .process_group(0);
-    // The same variables as the clone3 start gives.
+    // The same variables as the clone3 start gives (this visit's closure never fails, so
+    // neither does the visit).
     cmd.env_clear();
     let _ = for_each_worker_var(spec, own_path, |key, value| {
         use std::os::unix::ffi::OsStrExt;

@@ -69,6 +69,16 @@ pub fn stall_exit_probes(stall: Duration) {
     PROBE_STALL_MS.store(stall.as_millis() as u64, Ordering::SeqCst);
 }
 
+/// Exits settled without the probe (see `record_exit`), process-wide.
+static QUICK_SETTLES: AtomicU64 = AtomicU64::new(0);
+
+/// How many worker exits this process has settled without the probe: for tests, which must
+/// see that the quick path is taken, not only that its answers are right.
+#[doc(hidden)]
+pub fn quick_settles() -> u64 {
+    QUICK_SETTLES.load(Ordering::Relaxed)
+}
+
 /// Whether an exited leader's tree outlives it: members left in its group, or descendants
 /// that escaped it carrying the run's token (among the pids handed out since a `young`
 /// leader's, else anywhere in /proc). Blocking: reads other processes' /proc files.
@@ -354,6 +364,7 @@ impl WorkerActor {
             && pidfd.group_exists_now() == Some(false)
             && descendants::only_ours_since(pidfd.pid())
         {
+            QUICK_SETTLES.fetch_add(1, Ordering::Relaxed);
             return self.record_exit_probed(pidfd, status, false, ctx);
         }
         let (token, probe_fd, run_id) = (self.spec.token.clone(), pidfd.clone(), self.run_id());

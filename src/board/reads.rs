@@ -258,6 +258,8 @@ impl Tx<'_> {
     }
 
     /// Ready tasks claimable at `now`, in claim order (priority, then age), at most `limit`.
+    /// Sorts every ready task (no index holds them in claim order since schema v6): for tests
+    /// and tools, not the dispatch path ([`Tx::ready_candidates_for`]).
     pub fn ready_candidates(&self, now: Millis, limit: u32) -> Result<Vec<Task>> {
         let sql = format!(
             "SELECT {TASK_COLS} FROM tasks INDEXED BY tasks_status \

@@ -9,7 +9,7 @@ pub fn serve(cli: &Cli) -> Result<(), CliError> {
     // not the workers': close-on-exec from now on, so no start path hands them on. Best
     // effort: a kernel before 5.11 lacks the flag.
     // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only sets a flag on our descriptors.
-    unsafe {
+    let marked = unsafe {
         libc::syscall(
             libc::SYS_close_range,
             3 as libc::c_uint,
@@ -17,6 +17,9 @@ pub fn serve(cli: &Cli) -> Result<(), CliError> {
             libc::CLOSE_RANGE_CLOEXEC as libc::c_uint,
         )
     };
+    if marked != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "cannot mark inherited descriptors close-on-exec");
+    }
     let config = load_config(cli)?;
     let shutdown = async {
         use tokio::signal::unix::{SignalKind, signal};

@@ -68,7 +68,7 @@ pub fn reaping() -> ReapGuard {
 /// `descendants::only_ours_since`). 0: free; -1: claimed, pid not yet written.
 static IN_FLIGHT: [AtomicI32; 8] = [const { AtomicI32::new(0) }; 8];
 
-/// A claimed [`IN_FLIGHT`] slot; freed on drop.
+/// A claimed `IN_FLIGHT` slot (see [`in_flight`]); freed on drop.
 pub struct InFlight(&'static AtomicI32);
 
 impl InFlight {
@@ -94,7 +94,7 @@ pub fn in_flight() -> Option<InFlight> {
     })
 }
 
-/// True if `pid` is a child being started (written to an [`IN_FLIGHT`] slot).
+/// True if `pid` is a child being started (written to an in-flight slot: [`in_flight`]).
 pub fn is_in_flight(pid: Pid) -> bool {
     pid > 0
         && IN_FLIGHT
