@@ -24,7 +24,9 @@
 //!
 //! Where the kernel refuses `clone3` or one of its flags (before 5.5, or a seccomp filter
 //! that answers ENOSYS/EPERM) or on another architecture, [`spawn_leader`] says
-//! [`CloneExecError::Unsupported`] and the caller starts the program through std instead.
+//! [`CloneExecError::Unsupported`] and the caller starts the program through std instead —
+//! from then on; when the child's stack cannot be mapped (out of memory or mappings), for
+//! that start only.
 
 // Elsewhere the start always goes through std (see `clone_vfork`); the stack is unused there.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -157,8 +159,8 @@ pub fn spawn_leader(
     if step != 0 {
         let errno = unsafe { std::ptr::read_volatile(&args.errno) };
         // Our own child, failed before exec: reap it now, as posix_spawn does, so no
-        // zombie is left to anyone. Its pidfd keeps the pid from being reused meanwhile; the
-        // in-flight claim goes first (a reaped pid is nobody's).
+        // zombie is left to anyone. The in-flight claim goes first: once reaped, the pid
+        // (held by the zombie until then) may be anybody's.
         drop(in_flight);
         reap(pid);
         drop(pidfd);
