@@ -184,6 +184,13 @@ pub(crate) fn reap(pid: Pid) {
     {}
 }
 
+/// Test hook: makes this process behave as if the kernel had refused clone3 (every later
+/// start goes through std). Process-wide and for good: for a test binary of its own.
+#[doc(hidden)]
+pub fn refuse_clone3() {
+    UNSUPPORTED.store(true, Ordering::Relaxed);
+}
+
 /// Whether starts may go this way (false once the kernel has refused clone3 or a flag).
 pub fn available() -> bool {
     cfg!(target_arch = "x86_64") && !UNSUPPORTED.load(Ordering::Relaxed)
