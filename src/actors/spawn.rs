@@ -234,12 +234,8 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         Some(Err(Start::Failed(e))) => return Err(failed(&e)),
         Some(Err(Start::Elsewise)) | None => None,
     };
-    let mut in_flight = None;
-    let (pid, pidfd) = match cloned {
-        Some(started) => {
-            in_flight = started.in_flight;
-            (started.pidfd.pid(), Ok(started.pidfd))
-        }
+    let (pid, pidfd, in_flight) = match cloned {
+        Some(started) => (started.pidfd.pid(), Ok(started.pidfd), started.in_flight),
         None => {
             let child = std_command(spec, program, args, found.as_deref(), own_path, log)?
                 .spawn()
@@ -247,7 +243,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             let pid = child.id() as i32;
             // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle.
             drop(child);
-            (pid, PidFd::open(pid))
+            (pid, PidFd::open(pid), None)
         }
     };
     owned.register(pid);
@@ -317,6 +313,8 @@ fn for_each_worker_var(
         ("RUNWARDEN_TASK_TITLE", spec.title.as_bytes()),
     ];
     let is_run_var = |key: &[u8]| run.iter().any(|(k, _)| k.as_bytes() == key);
+    // Ours only without the assignee's (which the table below sets).
+    let own_path = own_path.filter(|_| !spec.env.contains_key("PATH"));
     let inherited = inherited_runwarden_vars();
     let set_below = |key: &[u8]| {
         inherited.iter().any(|k| k.as_bytes() == key)
@@ -324,13 +322,10 @@ fn for_each_worker_var(
             || std::str::from_utf8(key).is_ok_and(|k| spec.env.contains_key(k))
             || is_run_var(key)
     };
-    let own_path = own_path.filter(|_| !spec.env.contains_key("PATH"));
-    with_environment(|environ| {
-        let inherited_vars: Vec<(&[u8], &[u8])> =
-            environ.iter().copied().filter_map(split_var).collect();
-        for (i, &(key, value)) in inherited_vars.iter().enumerate() {
+    with_environment(|vars| {
+        for (i, &(key, value)) in vars.iter().enumerate() {
             // A name our environment holds twice is passed once, its last value (as std does).
-            let again = inherited_vars[i + 1..].iter().any(|(k, _)| *k == key);
+            let again = vars[i + 1..].iter().any(|(k, _)| *k == key);
             if !again && !set_below(key) {
                 f(key, value)?;
             }
@@ -357,23 +352,32 @@ fn split_var(entry: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((&entry[..eq], &entry[eq + 1..]))
 }
 
-/// Calls `f` with our environment's `KEY=VALUE` entries, read in place (valid for the call).
-fn with_environment<R>(f: impl FnOnce(&[&[u8]]) -> R) -> R {
+/// Calls `f` with our environment's variables as (key, value), read in place (valid for the
+/// call).
+fn with_environment<R>(f: impl FnOnce(&[(&[u8], &[u8])]) -> R) -> R {
     // SAFETY: `environ` is libc's NULL-terminated array of NUL-terminated strings, read here as
     // getenv reads it. It changes only through setenv/putenv/unsetenv (std's `set_var` and
     // `remove_var` among them), which must not run while other threads read the environment
     // (`set_var` is `unsafe` for that reason); runwarden never calls them. The entries are
     // used only during `f`.
-    let entries: Vec<&[u8]> = unsafe {
+    let vars: Vec<(&[u8], &[u8])> = unsafe {
         let mut at = std::ptr::read(&raw const libc::environ) as *const *const std::ffi::c_char;
-        let mut entries = Vec::new();
+        let mut vars = Vec::new();
         while !at.is_null() && !(*at).is_null() {
-            entries.push(std::ffi::CStr::from_ptr(*at).to_bytes());
+            vars.extend(split_var(std::ffi::CStr::from_ptr(*at).to_bytes()));
             at = at.add(1);
         }
-        entries
+        vars
     };
-    f(&entries)
+    f(&vars)
+}
+
+/// The error for a string that would be cut short at an embedded NUL.
+fn nul_in(what: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("{what} contains a NUL byte"),
+    )
 }
 
 /// NUL-terminated strings in one buffer, and the NULL-terminated pointer array execve wants.
@@ -383,9 +387,10 @@ struct CStrings {
 }
 
 impl CStrings {
-    fn new() -> CStrings {
+    /// Room for `bytes` of strings before the buffer grows.
+    fn with_capacity(bytes: usize) -> CStrings {
         CStrings {
-            buf: Vec::with_capacity(4096),
+            buf: Vec::with_capacity(bytes),
             starts: Vec::new(),
         }
     }
@@ -394,10 +399,7 @@ impl CStrings {
     /// an embedded NUL (which would cut it short).
     fn push(&mut self, parts: &[&[u8]], what: &dyn Fn() -> String) -> std::io::Result<()> {
         if parts.iter().any(|p| p.contains(&0)) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("{} contains a NUL byte", what()),
-            ));
+            return Err(nul_in(&what()));
         }
         self.starts.push(self.buf.len());
         for part in parts {
@@ -434,19 +436,12 @@ impl CloneStart {
         own_path: Option<&std::ffi::OsStr>,
     ) -> std::io::Result<CloneStart> {
         use std::os::unix::ffi::OsStrExt;
-        let c = |bytes: &[u8], what: &str| {
-            std::ffi::CString::new(bytes).map_err(|_| {
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    format!("{what} contains a NUL byte"),
-                )
-            })
-        };
-        let mut argv = CStrings::new();
+        let c = |bytes: &[u8], what: &str| std::ffi::CString::new(bytes).map_err(|_| nul_in(what));
+        let mut argv = CStrings::with_capacity(256);
         for arg in &spec.argv {
             argv.push(&[arg.as_bytes()], &|| format!("argument {arg:?}"))?;
         }
-        let mut envp = CStrings::new();
+        let mut envp = CStrings::with_capacity(4096);
         for_each_worker_var(spec, own_path, |key, value| {
             envp.push(&[key, b"=", value], &|| {
                 format!("environment variable {}", String::from_utf8_lossy(key))

@@ -253,6 +253,16 @@ mod tests {
         conn.last_insert_rowid()
     }
 
+    /// How many indexes named `name` the board has (0 or 1).
+    fn indexes_named(conn: &Connection, name: &str) -> i64 {
+        conn.query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = ?1",
+            [name],
+            |r| r.get(0),
+        )
+        .unwrap()
+    }
+
     /// A v2 board (AUTOINCREMENT event ids) keeps every event and its id through v3, and the
     /// next event follows the newest one.
     #[test]
@@ -291,23 +301,13 @@ mod tests {
             )
             .unwrap();
         assert!(!sql.contains("AUTOINCREMENT"), "{sql}");
-        let index: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = 'events_task'",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
-        assert_eq!(index, 1);
+        assert_eq!(indexes_named(&conn, "events_task"), 1);
         // v6: the index of all ready tasks is gone (a v2 board had it).
-        let ready: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = 'tasks_ready'",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
-        assert_eq!(ready, 0, "tasks_ready is dropped");
+        assert_eq!(
+            indexes_named(&conn, "tasks_ready"),
+            0,
+            "tasks_ready is dropped"
+        );
         let check: String = conn
             .query_row("PRAGMA integrity_check", [], |r| r.get(0))
             .unwrap();
@@ -366,14 +366,7 @@ mod tests {
             .unwrap();
         assert_eq!((pid, pending), (42, 0));
         for index in ["tasks_finished", "runs_holding"] {
-            let n: i64 = conn
-                .query_row(
-                    "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = ?1",
-                    [index],
-                    |r| r.get(0),
-                )
-                .unwrap();
-            assert_eq!(n, 1, "{index}");
+            assert_eq!(indexes_named(&conn, index), 1, "{index}");
         }
     }
 
