@@ -7,6 +7,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::board::{events_of, kinds, temp_board};
 use runwarden::actors::store::{EventFeed, Flush, StoreActor};
@@ -47,6 +48,8 @@ fn a_refused_op_in_a_batch_is_rolled_back_alone_and_reports_no_event() {
         Box::new(move |tx| tx.append_event(Some(task), None, "note", note(3), T)),
     ];
     let committed = tb.board.write_batch(ops).unwrap();
+    // Only a savepoint can undo op 2's write alone: the batch was applied a second time.
+    assert!(committed.retried);
 
     assert_eq!(committed.results.len(), 3);
     let first = *committed.results[0].as_ref().expect("op 1 commits");
@@ -65,6 +68,47 @@ fn a_refused_op_in_a_batch_is_rolled_back_alone_and_reports_no_event() {
     // What was reported is what the board holds, field for field.
     let stored = events_of(&mut tb.board, task, "note");
     assert_eq!(stored, committed.events);
+}
+
+#[test]
+fn an_op_refused_before_it_writes_costs_no_second_attempt() {
+    let (mut tb, task) = board_with_task();
+    let calls: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
+    let counted = |i: usize| {
+        let calls = calls.clone();
+        move || calls[i].fetch_add(1, Ordering::Relaxed)
+    };
+    let (c0, c1, c2) = (counted(0), counted(1), counted(2));
+    let ops: Vec<BatchOp<'_, i64>> = vec![
+        Box::new(move |tx| {
+            c0();
+            tx.append_event(Some(task), None, "note", note(1), T)
+        }),
+        // Reads, then refuses, as a transition's checks do: nothing to undo.
+        Box::new(move |tx| {
+            c1();
+            tx.get_task(task)?;
+            Err(refused())
+        }),
+        Box::new(move |tx| {
+            c2();
+            tx.append_event(Some(task), None, "note", note(3), T)
+        }),
+    ];
+    let committed = tb.board.write_batch(ops).unwrap();
+    assert!(!committed.retried);
+    assert!(committed.results[0].is_ok());
+    assert!(matches!(committed.results[1], Err(BoardError::Conflict(_))));
+    assert!(committed.results[2].is_ok());
+    let each: Vec<usize> = calls.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    assert_eq!(each, [1, 1, 1], "every op applied once");
+    let reported: Vec<i64> = committed
+        .events
+        .iter()
+        .map(|e| e.payload["n"].as_i64().unwrap())
+        .collect();
+    assert_eq!(reported, [1, 3]);
+    assert_eq!(kinds(&mut tb.board, task), ["created", "note", "note"]);
 }
 
 #[test]

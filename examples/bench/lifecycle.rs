@@ -210,8 +210,9 @@ struct SupervisedRound {
     /// Round trips (ms) of a `LiveWorkers` message through the dispatcher's mailbox, every
     /// 20 ms during the round: how long the actor thread takes to get to a message.
     ping_ms: Vec<f64>,
-    /// Store ops and commits per lifecycle (the adds included).
-    store_work: (f64, f64),
+    /// Store ops and commits per lifecycle (the adds included), and the batches applied twice
+    /// (an op refused in the first attempt).
+    store_work: (f64, f64, u64),
 }
 
 /// N `/bin/true` tasks added in one burst (N concurrent store calls → group commits),
@@ -272,6 +273,7 @@ fn supervised_round(opts: &Opts, dir: &Path) -> Result<SupervisedRound, String> 
     let store_work = (
         per(stats1.ops - stats0.ops),
         per(stats1.batches - stats0.batches),
+        stats1.retried - stats0.retried,
     );
     stop.store(true, Ordering::Relaxed);
     let ping_ms = pinger.join().unwrap_or_default();
@@ -952,8 +954,8 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
                     }
                 );
                 println!(
-                    "          cpu: {} | per lifecycle: {own:.0} µs supervisor + {kids:.0} µs worker, {:.2} store ops in {:.2} commits",
-                    r.cpu, r.store_work.0, r.store_work.1
+                    "          cpu: {} | per lifecycle: {own:.0} µs supervisor + {kids:.0} µs worker, {:.2} store ops in {:.2} commits ({} applied twice)",
+                    r.cpu, r.store_work.0, r.store_work.1, r.store_work.2
                 );
                 println!(
                     "          actor-thread ping RTT ms: {} (n={})",

@@ -139,7 +139,7 @@ pub async fn record_spawn_failure(
                 &policy,
                 RunOutcome::SpawnFailed,
                 None,
-                error,
+                error.clone(),
                 now,
             )
         })
@@ -162,7 +162,16 @@ pub async fn record_timeout(
                 // the grace rules, not to the timeout.
                 return Ok(false);
             }
-            fail(tx, run_id, &policy, RunOutcome::TimedOut, None, error, now).map(|_| true)
+            fail(
+                tx,
+                run_id,
+                &policy,
+                RunOutcome::TimedOut,
+                None,
+                error.clone(),
+                now,
+            )
+            .map(|_| true)
         })
         .await
 }
@@ -208,7 +217,7 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, Store
     };
     store
         .with_tx(move |tx, now| {
-            close_after_exit(tx, &cx, tail, now)?;
+            close_after_exit(tx, &cx, &tail, now)?;
             // In a savepoint of its own: a failed claim must not undo the recorded exit.
             let not_run = || Refill {
                 ran: false,
@@ -229,7 +238,7 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, Store
 }
 
 /// The part of [`record_exit`] that records the exit and closes the run.
-fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: String, now: Millis) -> board::Result<()> {
+fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: &str, now: Millis) -> board::Result<()> {
     // If the exit overtook the spawn evidence's own commit, the evidence is written here, so
     // the history keeps the pid (the later set_worker is then refused as a duplicate).
     tx.set_worker_if_unset(cx.run_id, cx.pid, cx.fingerprint.as_ref(), now)?;

@@ -62,20 +62,26 @@ pub trait StoreOp: Send + 'static {
     /// What the caller gets back once the op is committed.
     type Output: Send + 'static;
     /// Applies the op. An `Err` rolls back this op only.
-    fn apply(self, tx: &Tx<'_>, now: Millis) -> board::Result<Self::Output>;
+    ///
+    /// An op may be applied more than once, so its only effects must be on `tx`: a batch is
+    /// first applied without a savepoint per op, and if one of its ops is refused, the batch
+    /// is rolled back and applied again with each op in a savepoint of its own (see
+    /// [`Board::write_batch`](crate::board::Board::write_batch)).
+    fn apply(&mut self, tx: &Tx<'_>, now: Millis) -> board::Result<Self::Output>;
 }
 
 /// Any closure over a transaction is an op (used by the library's own actors for composite
-/// transitions that must be atomic, e.g. "record the exit and close the run").
+/// transitions that must be atomic, e.g. "record the exit and close the run"). Like every
+/// op, it may be called more than once (see [`StoreOp::apply`]).
 pub struct WithTx<F>(pub F);
 
 impl<F, T> StoreOp for WithTx<F>
 where
-    F: FnOnce(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
+    F: FnMut(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
     T: Send + 'static,
 {
     type Output = T;
-    fn apply(self, tx: &Tx<'_>, now: Millis) -> board::Result<T> {
+    fn apply(&mut self, tx: &Tx<'_>, now: Millis) -> board::Result<T> {
         (self.0)(tx, now)
     }
 }
@@ -88,7 +94,7 @@ impl<O: StoreOp> Message for Exec<O> {
 }
 
 type Erased = Box<dyn Any + Send>;
-type ErasedOp = Box<dyn FnOnce(&Tx<'_>, Millis) -> board::Result<Erased> + Send>;
+type ErasedOp = Box<dyn FnMut(&Tx<'_>, Millis) -> board::Result<Erased> + Send>;
 
 /// An op with its types erased so ops of every kind share one queue.
 struct Job {
@@ -134,12 +140,15 @@ pub struct StoreStats {
     pub ops: u64,
     /// Transactions that applied them (one per batch).
     pub batches: u64,
+    /// Batches applied twice because an op was refused (see [`StoreOp::apply`]).
+    pub retried: u64,
 }
 
 #[derive(Default)]
 struct Counters {
     ops: std::sync::atomic::AtomicU64,
     batches: std::sync::atomic::AtomicU64,
+    retried: std::sync::atomic::AtomicU64,
 }
 
 impl Store {
@@ -148,10 +157,11 @@ impl Store {
         submit(&self.jobs, op).await
     }
 
-    /// Runs a closure over a transaction and waits until it is committed.
+    /// Runs a closure over a transaction and waits until it is committed. The closure may be
+    /// called more than once (see [`StoreOp::apply`]).
     pub async fn with_tx<T, F>(&self, f: F) -> Result<T, StoreError>
     where
-        F: FnOnce(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
+        F: FnMut(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
         T: Send + 'static,
     {
         self.call(WithTx(f)).await
@@ -215,6 +225,7 @@ impl Store {
         StoreStats {
             ops: self.stats.ops.load(Relaxed),
             batches: self.stats.batches.load(Relaxed),
+            retried: self.stats.retried.load(Relaxed),
         }
     }
 
@@ -348,7 +359,7 @@ impl<O: StoreOp> Handler<Exec<O>> for StoreActor {
 /// Queues `op` for the writer thread; resolves once it is committed (or refused).
 fn submit<O: StoreOp>(
     jobs: &mpsc::Sender<Queued>,
-    op: O,
+    mut op: O,
 ) -> impl Future<Output = Result<O::Output, StoreError>> + 'static {
     let (tx, rx) = oneshot::channel();
     let job = Job {
@@ -436,13 +447,18 @@ fn writer_loop(
         let (ops, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|j| (j.op, j.reply)).unzip();
         let ops = ops
             .into_iter()
-            .map(|op| {
+            .map(|mut op| {
                 Box::new(move |t: &Tx<'_>| op(t, now))
-                    as Box<dyn FnOnce(&Tx<'_>) -> board::Result<Erased>>
+                    as Box<dyn FnMut(&Tx<'_>) -> board::Result<Erased>>
             })
             .collect();
         match board.write_batch(ops) {
             Ok(committed) => {
+                if committed.retried {
+                    counters
+                        .retried
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 // Publish before replying: a caller that gets "ok" and then subscribes-and-reads
                 // never misses the events of its own write.
                 watermark = publish(&mut board, &feed, watermark, committed.events);

@@ -520,7 +520,7 @@ impl WorkerActor {
                 let payload = serde_json::json!({ "pid": pid, "ended_by": how });
                 let cleared = store
                     .with_tx(move |tx, now| {
-                        tx.clear_worker_evidence(run_id, pid, fp.as_ref(), "worker_group_ended", payload, now)
+                        tx.clear_worker_evidence(run_id, pid, fp.as_ref(), "worker_group_ended", payload.clone(), now)
                     })
                     .await;
                 if let Err(e) = cleared {

@@ -229,57 +229,92 @@ impl Board {
         Ok(out)
     }
 
-    /// Runs every op of `batch` in ONE write transaction (group commit), each inside its own
-    /// savepoint: an op that fails is rolled back alone and the others still commit. Returns
-    /// each op's result in order, plus the events the committed ops appended (id order), or
-    /// an error when the transaction as a whole failed — at the commit, or by an op's error
-    /// that rolled the whole transaction back (a full disk): then nothing of the batch is
-    /// durable.
-    pub fn write_batch<T>(&mut self, batch: Vec<BatchOp<'_, T>>) -> Result<Committed<T>> {
+    /// Runs every op of `batch` in ONE write transaction (group commit), as if each were inside
+    /// its own savepoint: an op that fails is rolled back alone and the others still commit.
+    /// Returns each op's result in order, plus the events the committed ops appended (id
+    /// order), or an error when the transaction as a whole failed — at the commit, or by an
+    /// op's error that rolled the whole transaction back (a full disk): then nothing of the
+    /// batch is durable.
+    ///
+    /// A savepoint costs a copy of every page its op touches, and the ops of a batch touch the
+    /// same pages (the events' last page, the tasks' and runs' indexes): they were a sixth of
+    /// the instructions of a lifecycle's board work (callgrind on `bench replay`). Yet an op
+    /// is refused by its checks, before it
+    /// writes anything, and an op that wrote nothing has nothing to undo. So the batch is
+    /// first applied with no savepoint; only if an op fails after writing (rare: an I/O error
+    /// that left the transaction open) is that attempt rolled back whole and the batch applied
+    /// again with each op in a savepoint — which is why an op may be called twice (see
+    /// [`BatchOp`]).
+    pub fn write_batch<T>(&mut self, mut batch: Vec<BatchOp<'_, T>>) -> Result<Committed<T>> {
+        if let Some(committed) = self.apply_whole(&mut batch)? {
+            return Ok(committed);
+        }
         let tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
         let appended = RefCell::new(Vec::new());
         let txn = Tx::new(&tx, Some(&appended));
         let mut results = Vec::with_capacity(batch.len());
-        if batch.len() == 1 {
-            // A lone op needs no savepoint: the transaction itself undoes a refused op (and a
-            // savepoint costs a copy of every page the op touches).
-            let op = batch.into_iter().next().expect("one op");
-            let out = op(&txn);
-            // A refused op is its caller's answer, whatever it rolled back with it.
-            if out.is_err() {
-                drop(tx);
-                return Ok(Committed {
-                    results: vec![out],
-                    events: Vec::new(),
-                });
-            }
-            // Rolled back early inside the op, which went on regardless: it does not stand.
-            txn.check_not_ended()?;
-            if tx.is_autocommit() {
-                return Err(EndedBy(None).error());
+        for op in batch.iter_mut() {
+            let out = txn.nested(op);
+            if let Some(by) = txn.ended.get() {
+                // An error rolled back the whole transaction (SQLite does that for some, e.g.
+                // a full disk) — in this op's savepoint, or one nested in it: nothing of the
+                // batch stands, and no later op may run. The error names the cause (the op's
+                // own may be a follow-up, or none if it went on regardless).
+                drop(out);
+                return Err(by.error());
             }
             results.push(out);
-        } else {
-            for op in batch {
-                let out = txn.nested(op);
-                if let Some(by) = txn.ended.get() {
-                    // An error rolled back the whole transaction (SQLite does that for some,
-                    // e.g. a full disk) — in this op's savepoint, or one nested in it: nothing
-                    // of the batch stands, and no later op may run. The error names the cause
-                    // (the op's own may be a follow-up, or none if it went on regardless).
-                    drop(out);
-                    return Err(by.error());
-                }
-                results.push(out);
-            }
         }
         tx.commit()?;
         Ok(Committed {
             results,
             events: appended.into_inner(),
+            retried: true,
         })
+    }
+
+    /// [`Board::write_batch`]'s first attempt: every op straight in the transaction. `None`
+    /// (nothing kept) when an op failed after writing: the batch must be applied op by op.
+    fn apply_whole<T>(&mut self, batch: &mut [BatchOp<'_, T>]) -> Result<Option<Committed<T>>> {
+        let tx = self
+            .conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+        let appended = RefCell::new(Vec::new());
+        let txn = Tx::new(&tx, Some(&appended));
+        let mut results = Vec::with_capacity(batch.len());
+        let lone = batch.len() == 1;
+        for op in batch.iter_mut() {
+            let before = tx.total_changes();
+            let out = op(&txn);
+            if lone && out.is_err() {
+                // A lone op's failure is its caller's answer, whatever it rolled back with it
+                // (dropping the transaction undoes what it wrote).
+                return Ok(Some(Committed {
+                    results: vec![out],
+                    events: Vec::new(),
+                    retried: false,
+                }));
+            }
+            // Rolled back as a whole inside the op (a full disk), or by its error: nothing of
+            // the batch stands, as when the ops run in savepoints — no second attempt.
+            txn.check_not_ended()?;
+            if tx.is_autocommit() {
+                return Err(EndedBy(sqlite_code(&out)).error());
+            }
+            if out.is_err() && tx.total_changes() != before {
+                // Dropping the transaction rolls back what every op wrote.
+                return Ok(None);
+            }
+            results.push(out);
+        }
+        tx.commit()?;
+        Ok(Some(Committed {
+            results,
+            events: appended.into_inner(),
+            retried: false,
+        }))
     }
 
     /// Runs `PRAGMA integrity_check` and returns its first line (`"ok"` when healthy).
@@ -297,8 +332,19 @@ impl Board {
     }
 }
 
+/// The SQLite error code of `out`'s error, if it is one.
+fn sqlite_code<T>(out: &Result<T>) -> Option<rusqlite::ffi::Error> {
+    match out {
+        Err(BoardError::Sqlite(rusqlite::Error::SqliteFailure(code, _))) => Some(*code),
+        _ => None,
+    }
+}
+
 /// One op of [`Board::write_batch`].
-pub type BatchOp<'a, T> = Box<dyn FnOnce(&Tx<'_>) -> Result<T> + 'a>;
+///
+/// It may be called more than once (see [`Board::write_batch`]), so its only effects must be
+/// on the transaction it is given.
+pub type BatchOp<'a, T> = Box<dyn FnMut(&Tx<'_>) -> Result<T> + 'a>;
 
 /// What [`Board::write_batch`] committed: each op's result, in order, and the events the
 /// successful ops appended, in id order (what a subscriber must be told, without reading
@@ -307,6 +353,9 @@ pub type BatchOp<'a, T> = Box<dyn FnOnce(&Tx<'_>) -> Result<T> + 'a>;
 pub struct Committed<T> {
     pub results: Vec<Result<T>>,
     pub events: Vec<Event>,
+    /// An op was refused in the first attempt, so the batch was applied a second time, each
+    /// op in a savepoint (for statistics: how often the cheap attempt is wasted).
+    pub retried: bool,
 }
 
 /// An open transaction on the board. Every transition and query is a method of `Tx`.
@@ -375,11 +424,7 @@ impl<'a> Tx<'a> {
             // a pass is not the pass's failure) must not have its next statements commit one
             // by one, outside any transaction: they run in a fresh one that the writer rolls
             // back, seeing `ended`.
-            let code = match &out {
-                Err(BoardError::Sqlite(rusqlite::Error::SqliteFailure(code, _))) => Some(*code),
-                _ => None,
-            };
-            self.ended.set(Some(EndedBy(code)));
+            self.ended.set(Some(EndedBy(sqlite_code(&out))));
             self.conn.execute_batch("BEGIN")?;
         }
         // Rolled back early, in `f` or in a savepoint nested in it: this savepoint is gone with

@@ -318,7 +318,7 @@ impl DispatcherActor {
         actix_rt::spawn(async move {
             let _ = store
                 .with_tx(move |tx, now| {
-                    for (claim, _) in claimed {
+                    for (claim, _) in &claimed {
                         let _ = tx.nested(|tx| {
                             tx.reclaim_task(claim.task_id, "supervisor shutdown", now)
                         });
@@ -724,7 +724,7 @@ impl Handler<StopDispatching> for DispatcherActor {
                 // Release first: a worker ended by our shutdown is not the task's failure.
                 let _ = store
                     .with_tx(move |tx, now| {
-                        for (run_id, task_id) in runs {
+                        for &(run_id, task_id) in &runs {
                             let still_current =
                                 tx.get_task(task_id)?.current_run_id == Some(run_id);
                             if still_current {

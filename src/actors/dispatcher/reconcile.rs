@@ -167,10 +167,11 @@ impl DispatcherActor {
             actix_rt::spawn(async move {
                 let res = store
                     .with_tx(move |tx, now| {
-                        for run_id in ours {
+                        for &run_id in &ours {
                             tx.extend_lease(run_id, now, lease_ms)?;
                         }
-                        for (run_id, policy) in stale {
+                        for (run_id, policy) in &stale {
+                            let run_id = *run_id;
                             // Judged on a snapshot read before this transaction: a heartbeat
                             // committed since then wins (the worker is not stale after all).
                             let still_stale = tx.get_run(run_id).is_ok_and(|run| {
@@ -184,7 +185,7 @@ impl DispatcherActor {
                                 outcome::fail(
                                     tx,
                                     run_id,
-                                    &policy,
+                                    policy,
                                     RunOutcome::Stale,
                                     None,
                                     error.clone(),
