@@ -112,6 +112,29 @@ fn an_op_refused_before_it_writes_costs_no_second_attempt() {
 }
 
 #[test]
+fn a_write_undone_inside_a_refused_op_still_counts_as_written() {
+    let (mut tb, task) = board_with_task();
+    let ops: Vec<BatchOp<'_, i64>> = vec![
+        Box::new(move |tx| tx.append_event(Some(task), None, "note", note(1), T)),
+        // Its own savepoint undid its write, yet "wrote nothing" cannot be told from the count
+        // of changes: the cautious answer, a second attempt op by op.
+        Box::new(move |tx| {
+            let _ = tx.nested(|tx| {
+                tx.append_event(Some(task), None, "doomed", note(2), T)?;
+                Err::<i64, _>(refused())
+            });
+            Err(refused())
+        }),
+    ];
+    let committed = tb.board.write_batch(ops).unwrap();
+    assert!(committed.retried);
+    assert!(committed.results[0].is_ok());
+    assert!(matches!(committed.results[1], Err(BoardError::Conflict(_))));
+    assert_eq!(committed.events.len(), 1);
+    assert_eq!(kinds(&mut tb.board, task), ["created", "note"]);
+}
+
+#[test]
 fn a_lone_refused_op_leaves_nothing_and_the_board_stays_writable() {
     let (mut tb, task) = board_with_task();
     let ops: Vec<BatchOp<'_, i64>> = vec![Box::new(move |tx| {

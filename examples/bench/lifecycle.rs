@@ -211,7 +211,7 @@ struct SupervisedRound {
     /// 20 ms during the round: how long the actor thread takes to get to a message.
     ping_ms: Vec<f64>,
     /// Store ops and commits per lifecycle (the adds included), and the batches applied twice
-    /// (an op refused in the first attempt).
+    /// (an op failed after writing in the first attempt).
     store_work: (f64, f64, u64),
 }
 

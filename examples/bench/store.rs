@@ -45,7 +45,7 @@ fn note_op(now: board::Millis) {
 }
 
 /// One boxed op of a `write_batch`.
-type BatchOp<'a> = Box<dyn FnMut(&Tx<'_>) -> board::Result<i64> + 'a>;
+type BatchOp<'a> = Box<dyn Fn(&Tx<'_>) -> board::Result<i64> + 'a>;
 
 fn append(tx: &Tx<'_>, i: usize, now: board::Millis) -> board::Result<i64> {
     tx.append_event(None, None, "bench", json!({ "i": i }), now)

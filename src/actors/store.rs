@@ -63,25 +63,25 @@ pub trait StoreOp: Send + 'static {
     type Output: Send + 'static;
     /// Applies the op. An `Err` rolls back this op only.
     ///
-    /// An op may be applied more than once, so its only effects must be on `tx`: a batch is
-    /// first applied without a savepoint per op, and if one of its ops is refused, the batch
-    /// is rolled back and applied again with each op in a savepoint of its own (see
+    /// An op may be applied twice, so its only effects must be on `tx`: a batch is first
+    /// applied without a savepoint per op, and if one of its ops fails after writing, the
+    /// batch is rolled back and applied again with each op in a savepoint of its own (see
     /// [`Board::write_batch`](crate::board::Board::write_batch)).
-    fn apply(&mut self, tx: &Tx<'_>, now: Millis) -> board::Result<Self::Output>;
+    fn apply(&self, tx: &Tx<'_>, now: Millis) -> board::Result<Self::Output>;
 }
 
 /// Any closure over a transaction is an op (used by the library's own actors for composite
 /// transitions that must be atomic, e.g. "record the exit and close the run"). Like every
-/// op, it may be called more than once (see [`StoreOp::apply`]).
+/// op, it may be called twice (see [`StoreOp::apply`]).
 pub struct WithTx<F>(pub F);
 
 impl<F, T> StoreOp for WithTx<F>
 where
-    F: FnMut(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
+    F: Fn(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
     T: Send + 'static,
 {
     type Output = T;
-    fn apply(&mut self, tx: &Tx<'_>, now: Millis) -> board::Result<T> {
+    fn apply(&self, tx: &Tx<'_>, now: Millis) -> board::Result<T> {
         (self.0)(tx, now)
     }
 }
@@ -94,7 +94,7 @@ impl<O: StoreOp> Message for Exec<O> {
 }
 
 type Erased = Box<dyn Any + Send>;
-type ErasedOp = Box<dyn FnMut(&Tx<'_>, Millis) -> board::Result<Erased> + Send>;
+type ErasedOp = Box<dyn Fn(&Tx<'_>, Millis) -> board::Result<Erased> + Send>;
 
 /// An op with its types erased so ops of every kind share one queue.
 struct Job {
@@ -140,7 +140,8 @@ pub struct StoreStats {
     pub ops: u64,
     /// Transactions that applied them (one per batch).
     pub batches: u64,
-    /// Batches applied twice because an op was refused (see [`StoreOp::apply`]).
+    /// Batches committed at a second attempt because an op failed after writing (see
+    /// [`StoreOp::apply`]).
     pub retried: u64,
 }
 
@@ -161,7 +162,7 @@ impl Store {
     /// called more than once (see [`StoreOp::apply`]).
     pub async fn with_tx<T, F>(&self, f: F) -> Result<T, StoreError>
     where
-        F: FnMut(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
+        F: Fn(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
         T: Send + 'static,
     {
         self.call(WithTx(f)).await
@@ -359,7 +360,7 @@ impl<O: StoreOp> Handler<Exec<O>> for StoreActor {
 /// Queues `op` for the writer thread; resolves once it is committed (or refused).
 fn submit<O: StoreOp>(
     jobs: &mpsc::Sender<Queued>,
-    mut op: O,
+    op: O,
 ) -> impl Future<Output = Result<O::Output, StoreError>> + 'static {
     let (tx, rx) = oneshot::channel();
     let job = Job {
@@ -447,9 +448,9 @@ fn writer_loop(
         let (ops, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|j| (j.op, j.reply)).unzip();
         let ops = ops
             .into_iter()
-            .map(|mut op| {
+            .map(|op| {
                 Box::new(move |t: &Tx<'_>| op(t, now))
-                    as Box<dyn FnMut(&Tx<'_>) -> board::Result<Erased>>
+                    as Box<dyn Fn(&Tx<'_>) -> board::Result<Erased>>
             })
             .collect();
         match board.write_batch(ops) {

@@ -192,9 +192,10 @@ impl Board {
             .map_err(wrap)?;
         conn.pragma_update(None, "foreign_keys", "ON")
             .map_err(wrap)?;
-        // Savepoint journals (every op of a group commit has one) and sorts stay in memory:
-        // the default spills them to a temporary file once they pass 64 KiB, which made every
-        // batch pay file writes, and a close and unlink at its end.
+        // Savepoint journals (a claim on close has one; a group commit applied op by op, one
+        // per op) and sorts stay in memory: the default spills them to a temporary file once
+        // they pass 64 KiB, which made every batch pay file writes, and a close and unlink at
+        // its end.
         conn.pragma_update(None, "temp_store", "MEMORY")
             .map_err(wrap)?;
         if !opts.read_only {
@@ -241,12 +242,18 @@ impl Board {
     /// the instructions of a lifecycle's board work (callgrind on `bench replay`). Yet an op
     /// is refused by its checks, before it
     /// writes anything, and an op that wrote nothing has nothing to undo. So the batch is
-    /// first applied with no savepoint; only if an op fails after writing (rare: an I/O error
-    /// that left the transaction open) is that attempt rolled back whole and the batch applied
-    /// again with each op in a savepoint — which is why an op may be called twice (see
-    /// [`BatchOp`]).
-    pub fn write_batch<T>(&mut self, mut batch: Vec<BatchOp<'_, T>>) -> Result<Committed<T>> {
-        if let Some(committed) = self.apply_whole(&mut batch)? {
+    /// first applied with no savepoint; only if an op fails after writing (a composite
+    /// transition refused half-way, an I/O error that left the transaction open) is that
+    /// attempt rolled back whole and the batch applied again with each op in a savepoint —
+    /// which is why an op may be called twice (see [`BatchOp`]). The supervisor's own
+    /// transitions are refused by checks made before they write, so its batches are normally
+    /// applied once (the lifecycle bench counts the exceptions).
+    ///
+    /// "Wrote nothing" is read from SQLite's count of rows changed by INSERT, UPDATE and
+    /// DELETE, the only writes `Tx` makes (there are no triggers; DDL and pragmas, which
+    /// that count misses, run only in migrations, outside any batch).
+    pub fn write_batch<T>(&mut self, batch: Vec<BatchOp<'_, T>>) -> Result<Committed<T>> {
+        if let Some(committed) = self.apply_whole(&batch)? {
             return Ok(committed);
         }
         let tx = self
@@ -255,7 +262,7 @@ impl Board {
         let appended = RefCell::new(Vec::new());
         let txn = Tx::new(&tx, Some(&appended));
         let mut results = Vec::with_capacity(batch.len());
-        for op in batch.iter_mut() {
+        for op in &batch {
             let out = txn.nested(op);
             if let Some(by) = txn.ended.get() {
                 // An error rolled back the whole transaction (SQLite does that for some, e.g.
@@ -277,7 +284,7 @@ impl Board {
 
     /// [`Board::write_batch`]'s first attempt: every op straight in the transaction. `None`
     /// (nothing kept) when an op failed after writing: the batch must be applied op by op.
-    fn apply_whole<T>(&mut self, batch: &mut [BatchOp<'_, T>]) -> Result<Option<Committed<T>>> {
+    fn apply_whole<T>(&mut self, batch: &[BatchOp<'_, T>]) -> Result<Option<Committed<T>>> {
         let tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
@@ -285,7 +292,7 @@ impl Board {
         let txn = Tx::new(&tx, Some(&appended));
         let mut results = Vec::with_capacity(batch.len());
         let lone = batch.len() == 1;
-        for op in batch.iter_mut() {
+        for op in batch {
             let before = tx.total_changes();
             let out = op(&txn);
             if lone && out.is_err() {
@@ -342,9 +349,9 @@ fn sqlite_code<T>(out: &Result<T>) -> Option<rusqlite::ffi::Error> {
 
 /// One op of [`Board::write_batch`].
 ///
-/// It may be called more than once (see [`Board::write_batch`]), so its only effects must be
-/// on the transaction it is given.
-pub type BatchOp<'a, T> = Box<dyn FnMut(&Tx<'_>) -> Result<T> + 'a>;
+/// It may be called twice (see [`Board::write_batch`]), so its only effects must be on the
+/// transaction it is given; being `Fn`, it cannot consume what it captured.
+pub type BatchOp<'a, T> = Box<dyn Fn(&Tx<'_>) -> Result<T> + 'a>;
 
 /// What [`Board::write_batch`] committed: each op's result, in order, and the events the
 /// successful ops appended, in id order (what a subscriber must be told, without reading
@@ -353,8 +360,8 @@ pub type BatchOp<'a, T> = Box<dyn FnMut(&Tx<'_>) -> Result<T> + 'a>;
 pub struct Committed<T> {
     pub results: Vec<Result<T>>,
     pub events: Vec<Event>,
-    /// An op was refused in the first attempt, so the batch was applied a second time, each
-    /// op in a savepoint (for statistics: how often the cheap attempt is wasted).
+    /// An op failed after writing in the first attempt, so the batch was applied a second
+    /// time, each op in a savepoint (for statistics: how often the cheap attempt is wasted).
     pub retried: bool,
 }
 

@@ -198,7 +198,7 @@ pub(super) fn start(
 fn write<T, F>(shared: &Rc<Shared>, id: Option<RequestId>, f: F) -> LocalBoxFuture<'static, Outcome>
 where
     T: Serialize + Send + 'static,
-    F: FnMut(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
+    F: Fn(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
 {
     // The future owns a store handle; the op enters the writer's queue when the future is
     // first polled, i.e. in arrival order.

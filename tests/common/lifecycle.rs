@@ -275,7 +275,7 @@ impl View for Db {
 /// its events reach the dispatcher, reaper and hooks exactly like a control request's.
 pub fn write<T: Send + 'static>(
     sup: &SupervisorHandle,
-    f: impl FnMut(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
+    f: impl Fn(&Tx<'_>, Millis) -> board::Result<T> + Send + 'static,
 ) -> Result<T, runwarden::actors::store::StoreError> {
     futures::executor::block_on(sup.services().store.with_tx(f))
 }
