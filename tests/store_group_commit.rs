@@ -6,10 +6,11 @@
 #[allow(dead_code)]
 mod common;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use common::board::{events_of, kinds, temp_board};
+use futures::FutureExt;
 use runwarden::actors::store::{EventFeed, Flush, StoreActor};
 use runwarden::board::{BatchOp, BoardError, Event, NewTask, OpenOptions, TaskId};
 use serde_json::json;
@@ -142,6 +143,8 @@ fn a_lone_refused_op_leaves_nothing_and_the_board_stays_writable() {
         Err(refused())
     })];
     let committed = tb.board.write_batch(ops).unwrap();
+    // A lone op's failure is its own answer: nothing to apply a second time.
+    assert!(!committed.retried);
     assert!(matches!(
         committed.results[..],
         [Err(BoardError::Conflict(_))]
@@ -220,6 +223,95 @@ fn drain(feed: &mut EventFeed) -> Vec<Arc<Event>> {
             Err(e) => panic!("event feed: {e}"),
         }
     }
+}
+
+#[test]
+fn the_store_counts_a_batch_applied_twice_and_answers_each_caller() {
+    let tb = temp_board();
+    let (results, stats) = with_store(tb.path.clone(), async move |store| {
+        // An op that holds the writer until told to go, so that the next three queue behind
+        // it and share one batch. It may itself be applied again: once open, it stays open.
+        let open = Arc::new((Mutex::new(false), Condvar::new()));
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel::<()>();
+        let entered_tx = Mutex::new(entered_tx);
+        let gate = {
+            let (store, open) = (store.clone(), open.clone());
+            actix_rt::spawn(async move {
+                store
+                    .with_tx(move |_, _| {
+                        let _ = entered_tx.lock().unwrap().send(());
+                        let (lock, cv) = &*open;
+                        let mut go = lock.lock().unwrap();
+                        while !*go {
+                            go = cv.wait(go).unwrap();
+                        }
+                        Ok(())
+                    })
+                    .await
+            })
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while entered_rx.try_recv().is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writer never ran the gate"
+            );
+            actix_rt::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        let good = |title: &'static str| {
+            let store = store.clone();
+            async move {
+                store
+                    .with_tx(move |tx, now| Ok(tx.create_task(&NewTask::titled(title), now)?.id))
+                    .await
+            }
+            .boxed_local()
+        };
+        let doomed = {
+            let store = store.clone();
+            async move {
+                store
+                    .with_tx(|tx, now| {
+                        // Writes, then is refused: only a savepoint can undo it alone.
+                        tx.create_task(&NewTask::titled("doomed"), now)?;
+                        tx.complete_task(1_000_000, None, None, now)?;
+                        unreachable!("completing an unknown task must be refused");
+                    })
+                    .await
+            }
+            .boxed_local()
+        };
+        let mut calls = [good("first"), doomed, good("last")];
+        // Polled once each: their ops are in the writer's queue, behind the gate.
+        for call in calls.iter_mut() {
+            assert!(futures::poll!(call.as_mut()).is_pending());
+        }
+        *open.0.lock().unwrap() = true;
+        open.1.notify_all();
+        gate.await.unwrap().unwrap();
+        let mut results = Vec::new();
+        for call in calls {
+            results.push(call.await);
+        }
+        (results, store.stats())
+    });
+    assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
+    let err = results[1].as_ref().expect_err("the doomed op is refused");
+    assert_eq!(err.code, "not_found", "{err}");
+    assert_eq!(stats.retried, 1, "{stats:?}");
+    assert_eq!(
+        stats.batches, 2,
+        "the gate, then the three together: {stats:?}"
+    );
+    let mut board = tb.board;
+    let mut titles: Vec<String> = board
+        .read(|tx| tx.list_tasks(&Default::default()))
+        .unwrap()
+        .into_iter()
+        .map(|t| t.title)
+        .collect();
+    titles.sort();
+    assert_eq!(titles, ["first", "last"], "nothing of the doomed op stands");
 }
 
 #[test]

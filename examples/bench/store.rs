@@ -61,7 +61,7 @@ struct GroupRun {
 #[derive(Clone, Copy)]
 enum Op {
     Append,
-    /// Nothing: measures the actor, channel, savepoint and reply path alone.
+    /// Nothing: measures the actor, channel, transaction and reply path alone.
     Null,
 }
 
@@ -204,7 +204,7 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     let null = group_commit(dir.join("null.db"), nn, nn, Op::Null)?;
     let null_rate = nn as f64 / null.elapsed.as_secs_f64();
     println!(
-        "profile: burst of {nn} no-op ops through the StoreActor (actor + channel + savepoint + reply): {null_rate:.0}/s = {:.1} µs/op, ≈{} commits",
+        "profile: burst of {nn} no-op ops through the StoreActor (actor + channel + transaction + reply): {null_rate:.0}/s = {:.1} µs/op, ≈{} commits",
         1e6 / null_rate,
         null.commits
     );
@@ -217,8 +217,9 @@ pub fn run(opts: &Opts, base: &Path, summary: &mut Summary) -> Result<(), String
     }
     let commit_ms = mean(&lat_ms);
 
-    let v_callers = summary.verdict(rate >= TARGET);
-    let v_burst = summary.verdict(burst_rate >= TARGET);
+    // A failed write is no throughput: any error fails the verdict.
+    let v_callers = summary.verdict(rate >= TARGET && g.errors == 0);
+    let v_burst = summary.verdict(burst_rate >= TARGET && b.errors == 0);
     summary.line(format!(
         "store: N={n} sync=FULL group_commit[{} callers]={rate:.0}/s (~{:.1} ops/commit; Little bound {bound:.0}/s) {v_callers} | \
          group_commit[burst]={burst_rate:.0}/s {v_burst} | baseline_one_tx={base_rate:.0}/s ({cap} writes, commit mean {commit_ms:.2}ms) | \

@@ -2,8 +2,9 @@
 //!
 //! Every message is a typed [`StoreOp`]. The actor hands each op to a dedicated writer thread
 //! that owns the read-write connection. The thread drains whatever has queued up into ONE
-//! transaction (group commit: a burst of N writes costs one fsync, not N), runs each op in its
-//! own savepoint (a refused transition fails only its caller), commits, and only then answers
+//! transaction (group commit: a burst of N writes costs one fsync, not N), applies the ops so
+//! that a refused one fails only its caller (see
+//! [`Board::write_batch`](crate::board::Board::write_batch)), commits, and only then answers
 //! each caller — a reply always means "durable". After each commit it publishes the events the
 //! batch appended, in id order, to every subscriber (dispatcher, reaper, `events --follow`).
 
@@ -138,7 +139,8 @@ pub struct Store {
 pub struct StoreStats {
     /// Ops applied (committed or refused).
     pub ops: u64,
-    /// Transactions that applied them (one per batch).
+    /// Batches committed (each in one transaction; one applied twice also rolled back a
+    /// first).
     pub batches: u64,
     /// Batches committed at a second attempt because an op failed after writing (see
     /// [`StoreOp::apply`]).

@@ -208,7 +208,8 @@ impl super::Tx<'_> {
         for task in candidates.into_iter().filter(|t| plan.contains(&t.id)) {
             // No savepoint per claim (each costs a copy of every page it touches): a claim is
             // refused by its checks, before it writes anything. One that failed after writing
-            // (an I/O error) fails the whole pass instead, undone by the caller's savepoint.
+            // (an I/O error) fails the whole pass instead, undone by its caller: a savepoint, or
+            // the batch's second attempt (see `Board::write_batch`).
             let before = self.conn.total_changes();
             match self.claim_task_to_spawn(task.id, &rules.claimer, now, rules.lease_ms) {
                 Ok(claim) => claimed.push((claim, task)),

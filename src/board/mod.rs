@@ -239,9 +239,9 @@ impl Board {
     ///
     /// A savepoint costs a copy of every page its op touches, and the ops of a batch touch the
     /// same pages (the events' last page, the tasks' and runs' indexes): they were a sixth of
-    /// the instructions of a lifecycle's board work (callgrind on `bench replay`). Yet an op
-    /// is refused by its checks, before it
-    /// writes anything, and an op that wrote nothing has nothing to undo. So the batch is
+    /// the instructions of a lifecycle's board work (callgrind on `bench replay`). Yet the
+    /// board's transitions are refused by checks made before they write, and an op that wrote
+    /// nothing has nothing to undo. So the batch is
     /// first applied with no savepoint; only if an op fails after writing (a composite
     /// transition refused half-way, an I/O error that left the transaction open) is that
     /// attempt rolled back whole and the batch applied again with each op in a savepoint —
@@ -413,8 +413,8 @@ impl<'a> Tx<'a> {
     /// enclosing transaction goes on (e.g. one refused claim in a dispatch pass).
     pub fn nested<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
         self.check_not_ended()?;
-        // Prepared once per connection: parsing "SAVEPOINT …" for every op of every batch was
-        // a visible share of the writer's time.
+        // Prepared once per connection: parsing "SAVEPOINT …" each time (once per op of every
+        // batch, when each op had one) was a visible share of the writer's time.
         self.conn.prepare_cached("SAVEPOINT nested")?.execute([])?;
         let mark = self.appended.map(|a| a.borrow().len());
         // Events of an undone savepoint are never published (dropped before the rollback
