@@ -253,38 +253,22 @@ impl Board {
     /// DELETE, the only writes `Tx` makes (there are no triggers; DDL and pragmas, which
     /// that count misses, run only in migrations, outside any batch).
     pub fn write_batch<T>(&mut self, batch: Vec<BatchOp<'_, T>>) -> Result<Committed<T>> {
-        if let Some(committed) = self.apply_whole(&batch)? {
+        if let Some(committed) = self.apply_batch(&batch, false)? {
             return Ok(committed);
         }
-        let tx = self
-            .conn
-            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-        let appended = RefCell::new(Vec::new());
-        let txn = Tx::new(&tx, Some(&appended));
-        let mut results = Vec::with_capacity(batch.len());
-        for op in &batch {
-            let out = txn.nested(op);
-            if let Some(by) = txn.ended.get() {
-                // An error rolled back the whole transaction (SQLite does that for some, e.g.
-                // a full disk) — in this op's savepoint, or one nested in it: nothing of the
-                // batch stands, and no later op may run. The error names the cause (the op's
-                // own may be a follow-up, or none if it went on regardless).
-                drop(out);
-                return Err(by.error());
-            }
-            results.push(out);
-        }
-        tx.commit()?;
-        Ok(Committed {
-            results,
-            events: appended.into_inner(),
-            retried: true,
-        })
+        Ok(self
+            .apply_batch(&batch, true)?
+            .expect("a batch applied op by op always runs to its end"))
     }
 
-    /// [`Board::write_batch`]'s first attempt: every op straight in the transaction. `None`
-    /// (nothing kept) when an op failed after writing: the batch must be applied op by op.
-    fn apply_whole<T>(&mut self, batch: &[BatchOp<'_, T>]) -> Result<Option<Committed<T>>> {
+    /// One attempt at [`Board::write_batch`]. `op_by_op`: each op in a savepoint of its own.
+    /// Without: every op straight in the transaction, and `None` (nothing kept) when one
+    /// failed after writing — the batch must then be applied op by op.
+    fn apply_batch<T>(
+        &mut self,
+        batch: &[BatchOp<'_, T>],
+        op_by_op: bool,
+    ) -> Result<Option<Committed<T>>> {
         let tx = self
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
@@ -293,6 +277,19 @@ impl Board {
         let mut results = Vec::with_capacity(batch.len());
         let lone = batch.len() == 1;
         for op in batch {
+            if op_by_op {
+                let out = txn.nested(op);
+                if let Some(by) = txn.ended.get() {
+                    // An error rolled back the whole transaction (SQLite does that for some,
+                    // e.g. a full disk) — in this op's savepoint, or one nested in it: nothing
+                    // of the batch stands, and no later op may run. The error names the cause
+                    // (the op's own may be a follow-up, or none if it went on regardless).
+                    drop(out);
+                    return Err(by.error());
+                }
+                results.push(out);
+                continue;
+            }
             let before = tx.total_changes();
             let out = op(&txn);
             if lone && out.is_err() {
@@ -320,7 +317,7 @@ impl Board {
         Ok(Some(Committed {
             results,
             events: appended.into_inner(),
-            retried: false,
+            retried: op_by_op,
         }))
     }
 
