@@ -5,13 +5,11 @@
 #[allow(dead_code)]
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::mpsc;
 
-use common::control_daemon::{Daemon, SETTLE, bin, command, failed, ok, ok_json, run};
-use common::proc_guard::{ChildGuard, wait_until};
+use common::control_daemon::{Daemon, SETTLE, bin, command, failed, ok, ok_json, run, stream};
+use common::proc_guard::wait_until;
 use common::runtime::WorkerGuard;
 use serde_json::Value;
 
@@ -361,28 +359,6 @@ fn wait_exit_codes() {
     let (code, err) = failed(&d.cli(&["wait", "4242"]));
     assert_eq!(code, 1);
     assert!(err.contains("not found"), "{err}");
-}
-
-/// Spawns `runwarden ARGS…` with stdout piped to a channel of lines; ended by its guard.
-fn stream(args: &[&str]) -> (ChildGuard, mpsc::Receiver<String>) {
-    let mut cmd = command();
-    cmd.args(args)
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    let mut child = ChildGuard::spawn(&mut cmd).unwrap();
-    let stdout = child.0.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    (child, rx)
 }
 
 /// Lines from `rx` until one contains `needle` (or the bound passes).

@@ -693,6 +693,10 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
 /// Copying (rather than renaming) keeps working while a worker holds the file open in append
 /// mode: its next write lands at the new end of the truncated file. Lines written between copy
 /// and truncate are lost; that is the documented price of never interrupting the worker.
+///
+/// The tail is copied to a fresh file that is renamed into the backup's place only after the
+/// log was truncated, so a new backup ([`log_generation`]) tells a reader that the log started
+/// over — even once it has grown past the reader's offset again.
 pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     let Ok(meta) = fs::symlink_metadata(path) else {
         return;
@@ -701,13 +705,14 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
         return;
     }
     let backup = backup_path(path);
-    let copy_tail = || -> std::io::Result<()> {
+    let fresh = rotation_path(path);
+    let rotate = || -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
         let (mut src, meta) = open_regular(path, OpenOptions::new().read(true))?;
         src.seek(SeekFrom::Start(meta.len().saturating_sub(max_bytes)))?;
-        // A fresh file: whatever is in the backup's place (the old backup, or a FIFO that an
-        // open for writing would wait on for ever) goes first.
-        match fs::remove_file(&backup) {
+        // A fresh file: whatever is in its place (one left by a rotation cut short, or a FIFO
+        // that an open for writing would wait on for ever) goes first.
+        match fs::remove_file(&fresh) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
@@ -716,13 +721,16 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(&backup)?;
+            .open(&fresh)?;
         std::io::copy(&mut src.take(max_bytes), &mut dst)?;
         open_regular(path, OpenOptions::new().write(true))?
             .0
-            .set_len(0)
+            .set_len(0)?;
+        // Replaces whatever is in the backup's place (a link is replaced, never followed).
+        fs::rename(&fresh, &backup)
     };
-    if let Err(e) = copy_tail() {
+    if let Err(e) = rotate() {
+        let _ = fs::remove_file(&fresh);
         tracing::warn!(path = %path.display(), error = %e, "log rotation failed");
     }
 }
@@ -732,6 +740,27 @@ pub fn backup_path(path: &Path) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(".1");
     PathBuf::from(name)
+}
+
+/// `<log>.1.new`: the next backup while a rotation writes it.
+pub fn rotation_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".1.new");
+    PathBuf::from(name)
+}
+
+/// Which rotation the log at `path` is in: an opaque token that changes when a rotation
+/// completes (the backup's inode and modification time), `None` before the first. A reader
+/// that follows the log and sees it change starts again from the log's beginning.
+pub fn log_generation(path: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::symlink_metadata(backup_path(path)).ok()?;
+    Some(format!(
+        "{}-{}.{:09}",
+        meta.ino(),
+        meta.mtime(),
+        meta.mtime_nsec()
+    ))
 }
 
 /// Up to `max` bytes of a log file from `offset`, and the file's size: `Ok(None)` when there is

@@ -11,6 +11,7 @@ use clap::Args;
 use super::output::{Out, clock, line};
 use super::tasks::event_detail;
 use super::{Cli, CliError, EXIT_FAILURE, EXIT_TIMEOUT, connect, load_config};
+use crate::actors::spawn;
 use crate::board::{Event, EventId, TaskId, TaskStatus};
 use crate::control::client::ClientError;
 use crate::control::protocol::code;
@@ -144,6 +145,7 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
     let mut client = connect(cli)?;
     let mut offset = 0u64;
     let mut waiting_noted = false;
+    let mut rotations: Option<Rotations> = None;
     loop {
         let piece = match client.read_log(args.id, offset, None) {
             Ok(piece) => piece,
@@ -157,16 +159,25 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
             }
             Err(e) => return Err(e.into()),
         };
-        if piece.offset > piece.size {
-            if !args.follow {
-                return Ok(());
+        if args.follow {
+            let rotations = rotations.get_or_insert_with(|| Rotations::new(piece.rotation.clone()));
+            match rotations.check(piece.rotation.clone(), piece.offset, piece.size) {
+                Verdict::Print => {}
+                Verdict::Wait => {
+                    std::thread::sleep(LOG_POLL);
+                    continue;
+                }
+                Verdict::StartOver => {
+                    eprintln!(
+                        "runwarden: the log of task {} was rotated; following from its start",
+                        args.id
+                    );
+                    offset = 0;
+                    continue;
+                }
             }
-            eprintln!(
-                "runwarden: the log of task {} was rotated; following from its start",
-                args.id
-            );
-            offset = 0;
-            continue;
+        } else if piece.offset > piece.size {
+            return Ok(());
         }
         write_stdout(piece.data.as_bytes())?;
         // No progress: the log ends inside a character its writer has not finished.
@@ -178,6 +189,58 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
             }
             std::thread::sleep(LOG_POLL);
         }
+    }
+}
+
+/// What a follower of a log does with the piece it has just read.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    Print,
+    /// The log is shorter than the offset, with no rotation seen: one is probably completing
+    /// (it truncates first, then puts the new backup in place); look again later.
+    Wait,
+    /// The log was rotated: the piece is not to be printed; read again from 0.
+    StartOver,
+}
+
+/// A follower's knowledge of the log's rotations ([`spawn::log_generation`]).
+#[derive(Debug)]
+struct Rotations {
+    seen: Option<String>,
+    shrunk_polls: u32,
+}
+
+impl Rotations {
+    /// Polls a log may stay shorter than the offset with no rotation seen before the follower
+    /// takes it for a truncation by hand and starts over anyway.
+    const SHRUNK_POLLS: u32 = 2;
+
+    fn new(generation: Option<String>) -> Rotations {
+        Rotations {
+            seen: generation,
+            shrunk_polls: 0,
+        }
+    }
+
+    /// `generation` is the log's rotation read after the piece, `offset` where the piece was
+    /// read and `size` the log's size then.
+    fn check(&mut self, generation: Option<String>, offset: u64, size: u64) -> Verdict {
+        if generation != self.seen {
+            // Also when the log has grown past the offset again since: the size cannot tell.
+            self.seen = generation;
+            self.shrunk_polls = 0;
+            return Verdict::StartOver;
+        }
+        if offset > size {
+            self.shrunk_polls += 1;
+            if self.shrunk_polls > Self::SHRUNK_POLLS {
+                self.shrunk_polls = 0;
+                return Verdict::StartOver;
+            }
+            return Verdict::Wait;
+        }
+        self.shrunk_polls = 0;
+        Verdict::Print
     }
 }
 
@@ -217,26 +280,43 @@ fn copy_to_stdout(file: &mut File) -> Result<u64, CliError> {
     Ok(total)
 }
 
-/// `tail -f`: prints the file, then polls for growth; starts over when it shrinks (rotation).
+/// `tail -f`: prints the file, then polls for growth; starts over when it was rotated.
 fn follow_file(path: &PathBuf) -> Result<(), CliError> {
+    /// Read (and held) at most this much at a time.
+    const CHUNK: u64 = 1 << 20;
     let mut pos = 0u64;
     let mut waiting_noted = false;
+    let mut rotations = Rotations::new(spawn::log_generation(path));
     loop {
         match File::open(path) {
             Ok(mut file) => {
                 let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-                if len < pos {
-                    eprintln!(
-                        "runwarden: {} was rotated; following from its start",
-                        path.display()
-                    );
-                    pos = 0;
-                }
+                let mut piece = Vec::new();
                 if len > pos {
-                    file.seek(SeekFrom::Start(pos)).map_err(|e| {
-                        CliError::failure(format!("cannot read {}: {e}", path.display()))
-                    })?;
-                    pos += copy_to_stdout(&mut file)?;
+                    file.seek(SeekFrom::Start(pos))
+                        .and_then(|_| file.take(CHUNK).read_to_end(&mut piece))
+                        .map_err(|e| {
+                            CliError::failure(format!("cannot read {}: {e}", path.display()))
+                        })?;
+                }
+                // After the read: a rotation that completed meanwhile voids the piece.
+                match rotations.check(spawn::log_generation(path), pos, len) {
+                    Verdict::Print if !piece.is_empty() => {
+                        write_stdout(&piece)?;
+                        pos += piece.len() as u64;
+                        if piece.len() as u64 == CHUNK {
+                            continue; // more is there already
+                        }
+                    }
+                    Verdict::Print | Verdict::Wait => {}
+                    Verdict::StartOver => {
+                        eprintln!(
+                            "runwarden: {} was rotated; following from its start",
+                            path.display()
+                        );
+                        pos = 0;
+                        continue;
+                    }
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -383,4 +463,36 @@ fn report_wait(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Rotations, Verdict};
+
+    fn rotation(s: &str) -> Option<String> {
+        Some(s.to_string())
+    }
+
+    #[test]
+    fn a_follower_starts_over_once_per_rotation_even_past_its_offset() {
+        let mut r = Rotations::new(None);
+        assert_eq!(r.check(None, 0, 10), Verdict::Print);
+        // Rotated and regrown past the offset: only the generation says so.
+        assert_eq!(r.check(rotation("a"), 10, 50), Verdict::StartOver);
+        assert_eq!(r.check(rotation("a"), 0, 50), Verdict::Print);
+        // Caught between the truncation and the new backup: wait, then one start over.
+        assert_eq!(r.check(rotation("a"), 50, 0), Verdict::Wait);
+        assert_eq!(r.check(rotation("b"), 50, 20), Verdict::StartOver);
+        assert_eq!(r.check(rotation("b"), 0, 20), Verdict::Print);
+    }
+
+    #[test]
+    fn a_log_truncated_by_hand_is_started_over_after_a_few_polls() {
+        let mut r = Rotations::new(rotation("a"));
+        for _ in 0..Rotations::SHRUNK_POLLS {
+            assert_eq!(r.check(rotation("a"), 50, 0), Verdict::Wait);
+        }
+        assert_eq!(r.check(rotation("a"), 50, 0), Verdict::StartOver);
+        assert_eq!(r.check(rotation("a"), 0, 0), Verdict::Print);
+    }
 }

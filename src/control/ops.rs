@@ -443,11 +443,14 @@ fn read_log(
         r.max_bytes.unwrap_or(MAX_LOG_CHUNK).clamp(1, MAX_LOG_CHUNK),
     );
     async move {
-        let read = actix_rt::task::spawn_blocking(move || spawn::read_log(&path, offset, max))
+        let read = actix_rt::task::spawn_blocking(move || read_log_piece(&path, offset, max))
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
         let result = match read {
-            Ok(Some((bytes, size))) => Ok(log_piece(offset, &bytes, size)),
+            Ok(Some((bytes, size, rotation))) => Ok(ReadLogReply {
+                rotation,
+                ..log_piece(offset, &bytes, size)
+            }),
             Ok(None) => Err(OpError {
                 code: code::NOT_FOUND,
                 message: format!("task {} has no log", r.task),
@@ -462,6 +465,22 @@ fn read_log(
     .boxed_local()
 }
 
+/// [`spawn::read_log`] with the rotation the bytes belong to: read again when a rotation
+/// completed meanwhile (a rotation is seconds apart from the next, so a second look settles it).
+type Piece = (Vec<u8>, u64, Option<String>);
+fn read_log_piece(path: &std::path::Path, offset: u64, max: u64) -> std::io::Result<Option<Piece>> {
+    let mut attempts = 0;
+    loop {
+        let before = spawn::log_generation(path);
+        let read = spawn::read_log(path, offset, max)?;
+        let after = spawn::log_generation(path);
+        attempts += 1;
+        if before == after || attempts == 3 {
+            return Ok(read.map(|(bytes, size)| (bytes, size, after)));
+        }
+    }
+}
+
 /// `bytes` (read at `offset`) as text: a character cut by the end of the piece is left for the
 /// next one (unless it is all there is), anything else invalid is replaced.
 fn log_piece(offset: u64, bytes: &[u8], size: u64) -> ReadLogReply {
@@ -472,6 +491,7 @@ fn log_piece(offset: u64, bytes: &[u8], size: u64) -> ReadLogReply {
         next: offset + whole as u64,
         size,
         data: String::from_utf8_lossy(&bytes[..whole]).into_owned(),
+        rotation: None,
     }
 }
 

@@ -699,6 +699,11 @@ pub struct ReadLogReply {
     pub next: u64,
     pub size: u64,
     pub data: String,
+    /// Which rotation the piece was read in: an opaque token that changes each time the log
+    /// is rotated (absent before the first). A follower that sees it change starts again from
+    /// 0 — the log may have grown past its offset again since, so the size alone cannot say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation: Option<String>,
 }
 
 /// `reap_now`: the sweep was started.

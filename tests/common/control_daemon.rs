@@ -221,6 +221,28 @@ pub fn command() -> Command {
     cmd
 }
 
+/// Spawns `runwarden ARGS…` with stdout piped to a channel of lines; ended by its guard.
+pub fn stream(args: &[&str]) -> (ChildGuard, std::sync::mpsc::Receiver<String>) {
+    let mut cmd = command();
+    cmd.args(args)
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut child = ChildGuard::spawn(&mut cmd).unwrap();
+    let stdout = child.0.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
 /// Runs a command to completion (no stdin, in `/`) and returns its output.
 pub fn run(mut cmd: Command) -> Output {
     cmd.stdin(Stdio::null()).current_dir("/");

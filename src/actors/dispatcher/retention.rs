@@ -89,7 +89,7 @@ fn recover(config: &Config, store: &Store) {
 fn remove_files(ids: &[TaskId], logs: &Path, work: &Path) {
     for id in ids {
         let log = logs.join(format!("{id}.log"));
-        for file in [spawn::backup_path(&log), log] {
+        for file in [spawn::backup_path(&log), spawn::rotation_path(&log), log] {
             if let Err(e) = std::fs::remove_file(&file)
                 && e.kind() != std::io::ErrorKind::NotFound
             {

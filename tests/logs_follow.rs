@@ -1,0 +1,122 @@
+//! `runwarden logs --follow` across a rotation: a log is rotated by copy and truncation, so a
+//! follower cannot tell from the size alone that the log started over once it has grown past
+//! the follower's offset again. The new backup tells it, read from the file and through the
+//! socket (`read_log`'s `rotation`).
+
+#[allow(dead_code)]
+mod common;
+
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::path::Path;
+use std::sync::mpsc;
+
+use common::control_daemon::{Daemon, SETTLE, stream};
+use common::proc_guard::ChildGuard;
+use runwarden::actors::spawn::{backup_path, log_generation, rotate_if_needed};
+use runwarden::process::Signal;
+
+/// The next `n` lines the follower prints (fails after the bound).
+fn lines(rx: &mpsc::Receiver<String>, n: usize) -> Vec<String> {
+    let deadline = std::time::Instant::now() + SETTLE;
+    let mut got = Vec::new();
+    while got.len() < n {
+        let left = deadline
+            .checked_duration_since(std::time::Instant::now())
+            .unwrap_or_else(|| panic!("only {got:?} within {SETTLE:?}"));
+        match rx.recv_timeout(left) {
+            Ok(line) => got.push(line),
+            Err(e) => panic!("after {got:?}: {e}"),
+        }
+    }
+    got
+}
+
+fn append(path: &Path, text: &str) {
+    OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .unwrap_or_else(|e| panic!("append to {}: {e}", path.display()));
+}
+
+/// Rotates `log` while the follower is stopped and writes more than the follower had read, so
+/// that the follower next sees a log longer than its offset: only the rotation marker can tell
+/// it to start over. Then checks it printed the new log from its first line.
+fn rotate_under(follower: &ChildGuard, rx: &mpsc::Receiver<String>, log: &Path) {
+    follower
+        .pidfd()
+        .signal(Signal::SIGSTOP)
+        .expect("stop the follower");
+    let before = log_generation(log);
+    rotate_if_needed(log, 1);
+    assert!(
+        fs::metadata(log).unwrap().len() == 0 && backup_path(log).exists(),
+        "the log was not rotated"
+    );
+    assert_ne!(log_generation(log), before, "a rotation shows");
+    append(
+        log,
+        "fresh-start\nand-a-much-longer-second-line-than-before\n",
+    );
+    follower
+        .pidfd()
+        .signal(Signal::SIGCONT)
+        .expect("continue the follower");
+    assert_eq!(
+        lines(rx, 2),
+        ["fresh-start", "and-a-much-longer-second-line-than-before"],
+        "the follower must start the rotated log from its beginning"
+    );
+}
+
+#[test]
+fn following_the_file_starts_over_after_a_rotation_the_size_cannot_show() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    fs::write(&config, "[supervisor]\ndata_dir = \"data\"\n").unwrap();
+    let logs = dir.path().join("data").join("logs");
+    fs::create_dir_all(&logs).unwrap();
+    let log = logs.join("7.log");
+    append(&log, "old-1\nold-2\n");
+
+    // --config and no supervisor: the file itself is followed.
+    let cfg = config.to_str().unwrap();
+    let (follower, rx) = stream(&["logs", "7", "--follow", "--config", cfg]);
+    assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
+    rotate_under(&follower, &rx, &log);
+    // And again: a second rotation is told from the first.
+    append(&log, "x".repeat(100).as_str());
+    append(&log, "\n");
+    assert_eq!(lines(&rx, 1), ["x".repeat(100)]);
+    rotate_under(&follower, &rx, &log);
+}
+
+#[test]
+fn read_log_names_the_rotation_each_piece_was_read_in() {
+    let d = Daemon::start("", "");
+    let log = d.data_dir.join("logs").join("9.log");
+    append(&log, "first generation\n");
+    let mut client = d.client();
+    let piece = client.read_log(9, 0, None).expect("read_log");
+    assert_eq!(piece.data, "first generation\n");
+    assert_eq!(piece.rotation, None, "never rotated");
+
+    rotate_if_needed(&log, 1);
+    append(&log, "second generation, longer than the first\n");
+    // Past the old offset, yet the rotation says the log started over.
+    let after = client.read_log(9, piece.next, None).expect("read_log");
+    assert!(after.size > piece.next, "{after:?}");
+    let rotation = after.rotation.clone().expect("a rotation is named");
+    let again = client.read_log(9, 0, None).expect("read_log");
+    assert_eq!(again.data, "second generation, longer than the first\n");
+    assert_eq!(again.rotation, Some(rotation.clone()), "same rotation");
+
+    rotate_if_needed(&log, 1);
+    let third = client.read_log(9, 0, None).expect("read_log");
+    assert!(
+        third.rotation.is_some() && third.rotation != Some(rotation),
+        "each rotation has its own name: {third:?}"
+    );
+}
