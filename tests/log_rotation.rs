@@ -191,3 +191,26 @@ fn a_fifo_in_the_backups_place_is_replaced_not_waited_on() {
     sup.wait_for(next, SETTLE).expect("the next task runs");
     sup.shutdown();
 }
+
+#[test]
+fn a_backup_that_cannot_be_put_in_place_is_kept_beside_it() {
+    use runwarden::actors::spawn::{backup_path, rotate_if_needed, rotation_path};
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("3.log");
+    fs::write(&log, "0123456789tail").unwrap();
+    // A directory in the backup's place: the rename fails after the log was truncated.
+    fs::create_dir(backup_path(&log)).unwrap();
+    rotate_if_needed(&log, 4);
+    assert_eq!(read(&log), "", "the log was truncated");
+    assert_eq!(
+        read(&rotation_path(&log)),
+        "tail",
+        "its tail is kept where it was written"
+    );
+    // The next rotation, with the way clear, puts a fresh backup in place.
+    fs::remove_dir(backup_path(&log)).unwrap();
+    fs::write(&log, "abcdefgh").unwrap();
+    rotate_if_needed(&log, 4);
+    assert_eq!(read(&backup_path(&log)), "efgh");
+    assert!(!rotation_path(&log).exists());
+}

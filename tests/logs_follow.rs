@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::mpsc;
 
-use common::control_daemon::{Daemon, SETTLE, stream};
+use common::control_daemon::{Daemon, SETTLE, bin, scrub_env, stream, stream_of};
 use common::proc_guard::ChildGuard;
 use runwarden::actors::spawn::{backup_path, log_generation, rotate_if_needed};
 use runwarden::process::Signal;
@@ -49,6 +49,8 @@ fn rotate_under(follower: &ChildGuard, rx: &mpsc::Receiver<String>, log: &Path) 
         .pidfd()
         .signal(Signal::SIGSTOP)
         .expect("stop the follower");
+    // All of it was printed: the follower's offset.
+    let offset = fs::metadata(log).unwrap().len() as usize;
     let before = log_generation(log);
     rotate_if_needed(log, 1);
     assert!(
@@ -56,17 +58,15 @@ fn rotate_under(follower: &ChildGuard, rx: &mpsc::Receiver<String>, log: &Path) 
         "the log was not rotated"
     );
     assert_ne!(log_generation(log), before, "a rotation shows");
-    append(
-        log,
-        "fresh-start\nand-a-much-longer-second-line-than-before\n",
-    );
+    let long = "y".repeat(offset + 10);
+    append(log, &format!("fresh-start\n{long}\n"));
     follower
         .pidfd()
         .signal(Signal::SIGCONT)
         .expect("continue the follower");
     assert_eq!(
         lines(rx, 2),
-        ["fresh-start", "and-a-much-longer-second-line-than-before"],
+        ["fresh-start".to_string(), long],
         "the follower must start the rotated log from its beginning"
     );
 }
@@ -87,9 +87,43 @@ fn following_the_file_starts_over_after_a_rotation_the_size_cannot_show() {
     assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
     rotate_under(&follower, &rx, &log);
     // And again: a second rotation is told from the first.
-    append(&log, "x".repeat(100).as_str());
-    append(&log, "\n");
-    assert_eq!(lines(&rx, 1), ["x".repeat(100)]);
+    append(&log, "more\n");
+    assert_eq!(lines(&rx, 1), ["more"]);
+    rotate_under(&follower, &rx, &log);
+}
+
+/// `nobody`: an operator served by the socket (`allowed_uids`) who may not read the log files.
+const NOBODY: u32 = 65534;
+
+#[test]
+fn following_through_the_socket_starts_over_after_a_rotation_too() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let d = Daemon::start("", &format!("[control]\nallowed_uids = [{NOBODY}]\n"));
+    fs::set_permissions(d.dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    // A copy of the binary that `nobody` can run wherever the build directory is.
+    let bin_dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(bin_dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let binary = bin_dir.path().join("runwarden");
+    fs::copy(bin(), &binary).unwrap();
+    let log = d.data_dir.join("logs").join("5.log");
+    append(&log, "old-1\nold-2\n");
+
+    let mut cmd = std::process::Command::new(&binary);
+    scrub_env(&mut cmd);
+    cmd.args(["logs", "5", "--follow", "--socket"])
+        .arg(&d.socket)
+        .uid(NOBODY)
+        .gid(NOBODY);
+    let (follower, rx) = stream_of(cmd);
+    assert!(
+        fs::File::open(&log).is_ok(),
+        "(root reads it; nobody cannot, and goes through the socket)"
+    );
+    assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
+    rotate_under(&follower, &rx, &log);
+    append(&log, "more\n");
+    assert_eq!(lines(&rx, 1), ["more"]);
     rotate_under(&follower, &rx, &log);
 }
 

@@ -698,15 +698,21 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
 /// log was truncated, so a new backup ([`log_generation`]) tells a reader that the log started
 /// over — even once it has grown past the reader's offset again.
 pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
-    let Ok(meta) = fs::symlink_metadata(path) else {
+    let due = || fs::symlink_metadata(path).is_ok_and(|meta| meta.len() >= max_bytes);
+    if !due() {
         return;
-    };
-    if meta.len() < max_bytes {
+    }
+    // The tick's chores and a spawn's `open_log` may both find one log due: one at a time (they
+    // share `<log>.1.new`), and the second finds it rotated.
+    static ROTATING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ROTATING.lock().unwrap_or_else(|p| p.into_inner());
+    if !due() {
         return;
     }
     let backup = backup_path(path);
     let fresh = rotation_path(path);
-    let rotate = || -> std::io::Result<()> {
+    let mut truncated = false;
+    let mut rotate = || -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
         let (mut src, meta) = open_regular(path, OpenOptions::new().read(true))?;
         src.seek(SeekFrom::Start(meta.len().saturating_sub(max_bytes)))?;
@@ -726,12 +732,18 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
         open_regular(path, OpenOptions::new().write(true))?
             .0
             .set_len(0)?;
+        truncated = true;
         // Replaces whatever is in the backup's place (a link is replaced, never followed).
         fs::rename(&fresh, &backup)
     };
     if let Err(e) = rotate() {
-        let _ = fs::remove_file(&fresh);
-        tracing::warn!(path = %path.display(), error = %e, "log rotation failed");
+        if truncated {
+            // The log's tail is in `<log>.1.new` alone now: left there, not lost.
+            tracing::warn!(path = %path.display(), kept = %fresh.display(), error = %e, "log rotation: cannot put the backup in place");
+        } else {
+            let _ = fs::remove_file(&fresh);
+            tracing::warn!(path = %path.display(), error = %e, "log rotation failed");
+        }
     }
 }
 

@@ -161,7 +161,8 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
         };
         if args.follow {
             let rotations = rotations.get_or_insert_with(|| Rotations::new(piece.rotation.clone()));
-            match rotations.check(piece.rotation.clone(), piece.offset, piece.size) {
+            // The supervisor answers between rotations (it reads again during one).
+            match rotations.check(false, piece.rotation.clone(), piece.offset, piece.size) {
                 Verdict::Print => {}
                 Verdict::Wait => {
                     std::thread::sleep(LOG_POLL);
@@ -196,10 +197,10 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
     Print,
-    /// The log is shorter than the offset, with no rotation seen: one is probably completing
-    /// (it truncates first, then puts the new backup in place); look again later.
+    /// The log is shorter than the offset while a rotation is under way (it truncates the log
+    /// first, then puts the new backup in place): look again once it is done.
     Wait,
-    /// The log was rotated: the piece is not to be printed; read again from 0.
+    /// The log was rotated or truncated: the piece is not to be printed; read again from 0.
     StartOver,
 }
 
@@ -207,39 +208,42 @@ enum Verdict {
 #[derive(Debug)]
 struct Rotations {
     seen: Option<String>,
-    shrunk_polls: u32,
+    waited: bool,
 }
 
 impl Rotations {
-    /// Polls a log may stay shorter than the offset with no rotation seen before the follower
-    /// takes it for a truncation by hand and starts over anyway.
-    const SHRUNK_POLLS: u32 = 2;
-
     fn new(generation: Option<String>) -> Rotations {
         Rotations {
             seen: generation,
-            shrunk_polls: 0,
+            waited: false,
         }
     }
 
-    /// `generation` is the log's rotation read after the piece, `offset` where the piece was
-    /// read and `size` the log's size then.
-    fn check(&mut self, generation: Option<String>, offset: u64, size: u64) -> Verdict {
-        if generation != self.seen {
+    /// `rotating` (a rotation's new backup exists) and `generation` are read after the piece,
+    /// in that order; `offset` is where the piece was read and `size` the log's size then.
+    fn check(
+        &mut self,
+        rotating: bool,
+        generation: Option<String>,
+        offset: u64,
+        size: u64,
+    ) -> Verdict {
+        let waited = std::mem::take(&mut self.waited);
+        if generation.is_some() && generation != self.seen {
             // Also when the log has grown past the offset again since: the size cannot tell.
             self.seen = generation;
-            self.shrunk_polls = 0;
             return Verdict::StartOver;
         }
+        // A backup removed (by hand, or with its task) is no rotation.
+        self.seen = generation;
         if offset > size {
-            self.shrunk_polls += 1;
-            if self.shrunk_polls > Self::SHRUNK_POLLS {
-                self.shrunk_polls = 0;
-                return Verdict::StartOver;
+            if rotating && !waited {
+                // Once: a backup left in the making by a rotation cut short stays for ever.
+                self.waited = true;
+                return Verdict::Wait;
             }
-            return Verdict::Wait;
+            return Verdict::StartOver;
         }
-        self.shrunk_polls = 0;
         Verdict::Print
     }
 }
@@ -300,7 +304,8 @@ fn follow_file(path: &PathBuf) -> Result<(), CliError> {
                         })?;
                 }
                 // After the read: a rotation that completed meanwhile voids the piece.
-                match rotations.check(spawn::log_generation(path), pos, len) {
+                let rotating = spawn::rotation_path(path).exists();
+                match rotations.check(rotating, spawn::log_generation(path), pos, len) {
                     Verdict::Print if !piece.is_empty() => {
                         write_stdout(&piece)?;
                         pos += piece.len() as u64;
@@ -476,23 +481,31 @@ mod tests {
     #[test]
     fn a_follower_starts_over_once_per_rotation_even_past_its_offset() {
         let mut r = Rotations::new(None);
-        assert_eq!(r.check(None, 0, 10), Verdict::Print);
+        assert_eq!(r.check(false, None, 0, 10), Verdict::Print);
         // Rotated and regrown past the offset: only the generation says so.
-        assert_eq!(r.check(rotation("a"), 10, 50), Verdict::StartOver);
-        assert_eq!(r.check(rotation("a"), 0, 50), Verdict::Print);
+        assert_eq!(r.check(false, rotation("a"), 10, 50), Verdict::StartOver);
+        assert_eq!(r.check(false, rotation("a"), 0, 50), Verdict::Print);
         // Caught between the truncation and the new backup: wait, then one start over.
-        assert_eq!(r.check(rotation("a"), 50, 0), Verdict::Wait);
-        assert_eq!(r.check(rotation("b"), 50, 20), Verdict::StartOver);
-        assert_eq!(r.check(rotation("b"), 0, 20), Verdict::Print);
+        assert_eq!(r.check(true, rotation("a"), 50, 0), Verdict::Wait);
+        assert_eq!(r.check(false, rotation("b"), 50, 20), Verdict::StartOver);
+        assert_eq!(r.check(false, rotation("b"), 0, 20), Verdict::Print);
     }
 
     #[test]
-    fn a_log_truncated_by_hand_is_started_over_after_a_few_polls() {
+    fn a_truncation_by_hand_starts_over_at_once_and_a_removed_backup_changes_nothing() {
         let mut r = Rotations::new(rotation("a"));
-        for _ in 0..Rotations::SHRUNK_POLLS {
-            assert_eq!(r.check(rotation("a"), 50, 0), Verdict::Wait);
-        }
-        assert_eq!(r.check(rotation("a"), 50, 0), Verdict::StartOver);
-        assert_eq!(r.check(rotation("a"), 0, 0), Verdict::Print);
+        assert_eq!(r.check(false, rotation("a"), 50, 0), Verdict::StartOver);
+        assert_eq!(r.check(false, rotation("a"), 0, 10), Verdict::Print);
+        assert_eq!(r.check(false, None, 10, 30), Verdict::Print);
+        // A new backup after that is a rotation again.
+        assert_eq!(r.check(false, rotation("a"), 30, 40), Verdict::StartOver);
+    }
+
+    #[test]
+    fn a_backup_left_in_the_making_delays_a_start_over_by_one_poll_only() {
+        let mut r = Rotations::new(rotation("a"));
+        assert_eq!(r.check(true, rotation("a"), 50, 0), Verdict::Wait);
+        assert_eq!(r.check(true, rotation("a"), 50, 0), Verdict::StartOver);
+        assert_eq!(r.check(true, rotation("a"), 0, 5), Verdict::Print);
     }
 }

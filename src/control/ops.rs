@@ -465,19 +465,22 @@ fn read_log(
     .boxed_local()
 }
 
-/// [`spawn::read_log`] with the rotation the bytes belong to: read again when a rotation
-/// completed meanwhile (a rotation is seconds apart from the next, so a second look settles it).
+/// [`spawn::read_log`] with the rotation the bytes belong to, read between rotations: again
+/// (a millisecond later) when one was under way or completed meanwhile. A few times at most: a
+/// backup left in the making by a rotation cut short stays until the next rotation.
 type Piece = (Vec<u8>, u64, Option<String>);
 fn read_log_piece(path: &std::path::Path, offset: u64, max: u64) -> std::io::Result<Option<Piece>> {
     let mut attempts = 0;
     loop {
         let before = spawn::log_generation(path);
         let read = spawn::read_log(path, offset, max)?;
+        let rotating = spawn::rotation_path(path).exists();
         let after = spawn::log_generation(path);
         attempts += 1;
-        if before == after || attempts == 3 {
+        if (before == after && !rotating) || attempts == 3 {
             return Ok(read.map(|(bytes, size)| (bytes, size, after)));
         }
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 

@@ -691,8 +691,8 @@ pub struct ReadLog {
 
 /// `read_log`: the bytes from `offset` to `next` as text (invalid UTF-8 replaced; a character
 /// cut by the end of the piece is left for the next one), and the log's size now. `next ==
-/// size`: the end for now. `offset > size`: the log was rotated (truncated) since; start again
-/// from 0.
+/// size`: the end for now. A follower starts again from 0 when `rotation` changes, or when
+/// `offset > size` (the log was truncated).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReadLogReply {
     pub offset: u64,

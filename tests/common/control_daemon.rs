@@ -224,8 +224,13 @@ pub fn command() -> Command {
 /// Spawns `runwarden ARGS…` with stdout piped to a channel of lines; ended by its guard.
 pub fn stream(args: &[&str]) -> (ChildGuard, std::sync::mpsc::Receiver<String>) {
     let mut cmd = command();
-    cmd.args(args)
-        .current_dir("/")
+    cmd.args(args);
+    stream_of(cmd)
+}
+
+/// [`stream`] of a command prepared by the caller (another binary, another uid).
+pub fn stream_of(mut cmd: Command) -> (ChildGuard, std::sync::mpsc::Receiver<String>) {
+    cmd.current_dir("/")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
