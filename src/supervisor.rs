@@ -76,6 +76,8 @@ struct Booted {
     control: ControlServer,
     hooks: HooksStop,
     _lock: LockFile,
+    /// Held until the supervisor has stopped (see [`process::Subreaper`]).
+    _subreaper: Option<process::Subreaper>,
 }
 
 /// The data dir and its `logs/` and `work/`. The data dir's own mode is the control server's
@@ -168,11 +170,16 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         ControlServer::bind(&config).map_err(|e| SupervisorError::Runtime(e.to_string()))?;
     // Orphaned descendants of workers re-parent to us instead of init, so they can be found
     // and ended with their worker, and their zombies collected.
-    if !config.supervisor.subreaper {
+    let subreaper = if !config.supervisor.subreaper {
         tracing::info!("subreaper disabled by config: escaped descendants re-parent to init");
-    } else if let Err(e) = process::become_subreaper() {
-        tracing::warn!(error = %e, "cannot become a child subreaper; escaped descendants may leak");
-    }
+        None
+    } else {
+        process::become_subreaper()
+            .inspect_err(|e| {
+                tracing::warn!(error = %e, "cannot become a child subreaper; escaped descendants may leak");
+            })
+            .ok()
+    };
     let config = Arc::new(config);
     let store = StoreActor::start_on(
         config.db_path(),
@@ -216,6 +223,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         control,
         hooks,
         _lock: lock,
+        _subreaper: subreaper,
     })
 }
 

@@ -29,7 +29,7 @@ fn an_adopted_workers_escapee_is_ended_when_the_worker_exits() {
              env = {{ GATE_DIR = {gates:?} }}\n"
         ),
     );
-    runwarden::process::become_subreaper().expect("become a subreaper");
+    let _subreaper = runwarden::process::become_subreaper().expect("become a subreaper");
     std::fs::create_dir_all(td.data_dir()).unwrap();
     let mut db = Db::new(td.db_path());
     let task = db.write(|tx| {

@@ -156,7 +156,7 @@ fn terminate_kills_members_left_behind_by_a_leader_reaped_mid_way() {
 
 #[test]
 fn an_escaped_descendant_is_adopted_and_reaped() {
-    become_subreaper().unwrap();
+    let _subreaper = become_subreaper().unwrap();
     let me = std::process::id() as Pid;
     // The descendant leaves the worker's group and session, out of reach of a group signal.
     let mut leader = ChildGuard::spawn(

@@ -187,7 +187,7 @@ fn the_startup_sweep_ends_a_worker_whose_run_closed_while_no_supervisor_listened
     let _serial = serial();
     // The worker outlives its supervisor; as a subreaper this test process becomes its parent
     // (and can reap it), which also shows the re-parenting really happened.
-    become_subreaper().expect("become a child subreaper");
+    let _subreaper = become_subreaper().expect("become a child subreaper");
     let me = std::process::id() as Pid;
     let grace = Duration::from_secs(1);
     let td = TestDir::new();

@@ -119,7 +119,8 @@ pub struct SupervisorConfig {
     /// Become a child subreaper (default true): workers' escaped descendants re-parent to the
     /// supervisor, which ends them with their run and reaps their zombies. An embedding
     /// program that waits for children of its own may turn it off (it then loses that
-    /// guarantee for descendants that leave their worker's process group).
+    /// guarantee for descendants that leave their worker's process group). The process is
+    /// put back as it was once the last supervisor in it has stopped.
     pub subreaper: bool,
 }
 

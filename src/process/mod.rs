@@ -51,7 +51,7 @@ pub use signal::{
     Ended, PidfdSignaller, Sent, Signaller, deadline_after, terminate, terminate_group,
 };
 pub use stat::{ProcStat, parse_stat, read_stat};
-pub use subreaper::{become_subreaper, own_children, reap_orphans, reap_orphans_among};
+pub use subreaper::{Subreaper, become_subreaper, own_children, reap_orphans, reap_orphans_among};
 
 /// A process id as the kernel numbers it (`pid_t`).
 pub type Pid = i32;

@@ -11,15 +11,49 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use super::liveness::all_stats;
 use super::{Pid, ProcStat, ProcessError};
 
+/// This process is a child subreaper while a `Subreaper` lives (see [`become_subreaper`]).
+#[derive(Debug)]
+#[must_use = "the process stops being a subreaper when the last one is dropped"]
+pub struct Subreaper(());
+
+/// Live [`Subreaper`]s, and whether the process was a subreaper before the first of them.
+static HOLDERS: std::sync::Mutex<(usize, bool)> = std::sync::Mutex::new((0, false));
+
 /// Make this process a child subreaper (prctl PR_SET_CHILD_SUBREAPER) so orphaned descendants of
-/// workers re-parent to us.
-pub fn become_subreaper() -> Result<(), ProcessError> {
-    rustix::process::set_child_subreaper(Some(rustix::process::getpid())).map_err(|errno| {
-        ProcessError::System {
-            what: "prctl(PR_SET_CHILD_SUBREAPER)",
-            source: errno.into(),
+/// workers re-parent to us, for as long as the returned value (or another) lives. When the
+/// last is dropped — every supervisor of the process has stopped — the process is put back as
+/// it was: a host that embedded a supervisor no longer adopts orphans nobody will reap.
+pub fn become_subreaper() -> Result<Subreaper, ProcessError> {
+    let failed = |what, errno: rustix::io::Errno| ProcessError::System {
+        what,
+        source: errno.into(),
+    };
+    let mut holders = HOLDERS.lock().unwrap_or_else(|p| p.into_inner());
+    if holders.0 == 0 {
+        let was = rustix::process::child_subreaper()
+            .map_err(|e| failed("prctl(PR_GET_CHILD_SUBREAPER)", e))?
+            .is_some();
+        if !was {
+            rustix::process::set_child_subreaper(Some(rustix::process::getpid()))
+                .map_err(|e| failed("prctl(PR_SET_CHILD_SUBREAPER)", e))?;
         }
-    })
+        holders.1 = was;
+    }
+    holders.0 += 1;
+    Ok(Subreaper(()))
+}
+
+impl Drop for Subreaper {
+    fn drop(&mut self) {
+        let mut holders = HOLDERS.lock().unwrap_or_else(|p| p.into_inner());
+        holders.0 -= 1;
+        if holders.0 == 0
+            && !holders.1
+            && let Err(e) = rustix::process::set_child_subreaper(None)
+        {
+            tracing::warn!(error = %e, "cannot stop being a child subreaper");
+        }
+    }
 }
 
 /// Reap every zombie child of ours whose pid is not in `keep` (our live workers, reaped by their

@@ -1,0 +1,48 @@
+//! An embedded supervisor makes its host process a child subreaper while it runs, and puts it
+//! back as it was once the last supervisor of the process has stopped: a host that outlives
+//! its supervisors does not keep adopting orphans that nobody reaps. (One test: the state is
+//! the whole process's.)
+
+#[allow(dead_code)]
+mod common;
+
+use common::runtime::{TestDir, lib_config};
+use runwarden::Supervisor;
+
+fn is_subreaper() -> bool {
+    rustix::process::child_subreaper()
+        .expect("prctl(PR_GET_CHILD_SUBREAPER)")
+        .is_some()
+}
+
+fn set_subreaper(on: bool) {
+    rustix::process::set_child_subreaper(on.then(rustix::process::getpid))
+        .expect("prctl(PR_SET_CHILD_SUBREAPER)");
+}
+
+#[test]
+fn the_host_is_a_subreaper_while_a_supervisor_runs_and_as_it_was_after() {
+    assert!(!is_subreaper(), "the test process starts as no subreaper");
+    let (a_dir, b_dir) = (TestDir::new(), TestDir::new());
+    let a = Supervisor::start(lib_config(&a_dir)).expect("start supervisor a");
+    assert!(is_subreaper(), "a supervisor runs");
+    let b = Supervisor::start(lib_config(&b_dir)).expect("start supervisor b");
+    a.shutdown();
+    assert!(is_subreaper(), "supervisor b still runs");
+    b.shutdown();
+    assert!(!is_subreaper(), "no supervisor runs any more");
+
+    // With the option off, the process is left alone.
+    let mut config = lib_config(&a_dir);
+    config.supervisor.subreaper = false;
+    let off = Supervisor::start(config).expect("start a supervisor without subreaper");
+    assert!(!is_subreaper(), "subreaper = false");
+    off.shutdown();
+
+    // A host that was a subreaper of its own accord stays one.
+    set_subreaper(true);
+    let c = Supervisor::start(lib_config(&b_dir)).expect("start supervisor c");
+    c.shutdown();
+    assert!(is_subreaper(), "the host's own setting is kept");
+    set_subreaper(false);
+}
