@@ -77,7 +77,7 @@ struct Booted {
     hooks: HooksStop,
     _lock: LockFile,
     /// Held until the supervisor has stopped (see [`process::Subreaper`]).
-    _subreaper: Option<process::Subreaper>,
+    subreaper: Option<process::Subreaper>,
 }
 
 /// The data dir and its `logs/` and `work/`. The data dir's own mode is the control server's
@@ -223,7 +223,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         control,
         hooks,
         _lock: lock,
-        _subreaper: subreaper,
+        subreaper,
     })
 }
 
@@ -269,6 +269,15 @@ where
         booted.control.stop().await;
         booted.hooks.stop();
         stop(&booted.services).await;
+        if booted.subreaper.is_some() {
+            // Descendants adopted while the process was a subreaper and ended with their runs
+            // just now (or not yet collected by a tick) would be the host's zombies for good
+            // once it is not one: collected first. Not waited for long: /proc can hang.
+            let reap = crate::actors::proc_thread::run("the last orphan reap", || {
+                process::reap_orphans(&process::owned::is_registered)
+            });
+            let _ = actix_rt::time::timeout(Duration::from_secs(1), reap).await;
+        }
         drop(booted);
         Ok(())
     });

@@ -9,8 +9,8 @@
 //!   `runwarden serve`) occupies the slot, so a second ready task waits for it.
 //!
 //! The tests run one at a time: the last one runs `runwarden serve`, whose orphaned worker
-//! re-parents to this process (a subreaper once an in-process supervisor booted here), where
-//! another test's orphan sweep must not meet it.
+//! re-parents to this process if it is a subreaper at that moment (while an in-process
+//! supervisor runs here), where another test's orphan sweep must not meet it.
 
 #[allow(dead_code)]
 mod common;

@@ -6,8 +6,12 @@
 #[allow(dead_code)]
 mod common;
 
-use common::runtime::{TestDir, lib_config};
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, TestDir, lib_config};
 use runwarden::Supervisor;
+use runwarden::board::NewTask;
+use runwarden::config::AssigneeConfig;
+use runwarden::process::read_stat;
 
 fn is_subreaper() -> bool {
     rustix::process::child_subreaper()
@@ -38,6 +42,40 @@ fn the_host_is_a_subreaper_while_a_supervisor_runs_and_as_it_was_after() {
     let off = Supervisor::start(config).expect("start a supervisor without subreaper");
     assert!(!is_subreaper(), "subreaper = false");
     off.shutdown();
+
+    // Descendants adopted while it was one and ended at the shutdown are not left behind as the
+    // host's zombies: a double fork leaves an escapee, re-parented to this process.
+    let out = a_dir.path().join("escapee.pid");
+    let mut config = lib_config(&a_dir);
+    let mut w = AssigneeConfig::new([
+        "sh",
+        "-c",
+        "(setsid sleep 300 & echo $! > \"$OUT\"); exec sleep 300",
+    ]);
+    w.env.insert("OUT".into(), out.display().to_string());
+    config.assignees.insert("w".into(), w);
+    let d = Supervisor::start(config).expect("start supervisor d");
+    d.add_task(NewTask::titled("escapes").for_assignee("w"))
+        .expect("add a task");
+    let me = std::process::id() as i32;
+    let mut escapee = 0;
+    assert!(
+        wait_until(SETTLE, || {
+            escapee = std::fs::read_to_string(&out)
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(0);
+            escapee > 0 && read_stat(escapee).is_ok_and(|st| st.ppid == me)
+        }),
+        "no escapee re-parented to this process"
+    );
+    d.shutdown();
+    assert!(!is_subreaper());
+    assert!(
+        read_stat(escapee).is_err_and(|e| e.is_no_such_process()),
+        "the escapee is gone, its zombie collected: {:?}",
+        read_stat(escapee)
+    );
 
     // A host that was a subreaper of its own accord stays one.
     set_subreaper(true);

@@ -120,7 +120,7 @@ pub struct SupervisorConfig {
     /// supervisor, which ends them with their run and reaps their zombies. An embedding
     /// program that waits for children of its own may turn it off (it then loses that
     /// guarantee for descendants that leave their worker's process group). The process is
-    /// put back as it was once the last supervisor in it has stopped.
+    /// put back as it was once the last supervisor that made it a subreaper has stopped.
     pub subreaper: bool,
 }
 

@@ -466,7 +466,7 @@ impl CliOutput {
 /// Runs `runwarden --socket <socket> <args…>` as an operator would (no RUNWARDEN_* from this
 /// process's environment), waiting at most `timeout`; output goes to files, never to a pipe
 /// nobody drains. The child is registered as owned for its lifetime, so an in-process
-/// supervisor's orphan reaper (this process is a subreaper once one booted) never reaps it
+/// supervisor's orphan reaper (this process is a subreaper while one runs) never reaps it
 /// and steals its exit status; it is killed by pid through its guard if it overruns.
 pub fn runwarden_cli(socket: &Path, args: &[&str], timeout: Duration) -> CliOutput {
     use std::os::unix::process::CommandExt;
