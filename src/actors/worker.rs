@@ -463,8 +463,9 @@ impl WorkerActor {
     }
 
     /// Ends the worker's whole tree (group + token-carrying descendants) on a thread of its own
-    /// ([`super::proc_thread`]): blocking waits never run on an actor thread. With `then_clear`, the run's evidence is
-    /// cleared once the tree is gone (the leader exited before its group did). Only one
+    /// ([`super::proc_thread`]): blocking waits never run on an actor thread. With
+    /// `then_clear`, the run's evidence is cleared once the tree is gone (the leader exited
+    /// before its group did). Only one
     /// tree-end runs at a time; the actor stays alive (and owned) until it is done, so nobody
     /// else starts a second kill or clears the evidence early.
     fn end_tree(&mut self, pidfd: Arc<PidFd>, then_clear: bool, ctx: &mut Context<Self>) {

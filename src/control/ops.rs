@@ -465,10 +465,12 @@ fn read_log(
     .boxed_local()
 }
 
+/// A piece of a log: its bytes, the log's size, and the rotation it was read in.
+type Piece = (Vec<u8>, u64, Option<String>);
+
 /// [`spawn::read_log`] with the rotation the bytes belong to, read between rotations: again
 /// (a millisecond later) when one was under way or completed meanwhile. A few times at most: a
 /// backup left in the making by a rotation cut short stays until the next rotation.
-type Piece = (Vec<u8>, u64, Option<String>);
 fn read_log_piece(path: &std::path::Path, offset: u64, max: u64) -> std::io::Result<Option<Piece>> {
     let mut attempts = 0;
     loop {

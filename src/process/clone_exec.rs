@@ -411,7 +411,11 @@ mod tests {
         (owned, ptrs)
     }
 
-    fn start(argv: &[&str], env: &[&str], cwd: &std::path::Path) -> Result<PidFd, CloneExecError> {
+    fn start_child(
+        argv: &[&str],
+        env: &[&str],
+        cwd: &std::path::Path,
+    ) -> Result<Started, CloneExecError> {
         let (_argv, argv_p) = cstrings(argv);
         let (_env, env_p) = cstrings(env);
         let cwd = CString::new(cwd.to_str().unwrap()).unwrap();
@@ -424,7 +428,10 @@ mod tests {
             &cwd,
             [null.as_fd(), null.as_fd(), null.as_fd()],
         )
-        .map(|started| started.pidfd)
+    }
+
+    fn start(argv: &[&str], env: &[&str], cwd: &std::path::Path) -> Result<PidFd, CloneExecError> {
+        start_child(argv, env, cwd).map(|started| started.pidfd)
     }
 
     #[test]
@@ -456,19 +463,7 @@ mod tests {
     #[test]
     fn a_started_child_is_in_flight_until_its_claim_is_dropped() {
         let dir = tempfile::tempdir().unwrap();
-        let (_argv, argv) = cstrings(&["/bin/true"]);
-        let (_env, env) = cstrings(&[]);
-        let cwd = CString::new(dir.path().to_str().unwrap()).unwrap();
-        let null = std::fs::File::open("/dev/null").unwrap();
-        let path = CString::new("/bin/true").unwrap();
-        let started = spawn_leader(
-            &path,
-            &argv,
-            &env,
-            &cwd,
-            [null.as_fd(), null.as_fd(), null.as_fd()],
-        )
-        .expect("started");
+        let started = start_child(&["/bin/true"], &[], dir.path()).expect("started");
         let pid = started.pidfd.pid();
         // Eight slots; parallel tests may hold some, but not all of them.
         let claim = started.in_flight.expect("a free in-flight slot");

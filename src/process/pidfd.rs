@@ -119,31 +119,28 @@ impl PidFd {
     /// Whether the group still has any member, zombies included: signal 0 to the group, which
     /// checks delivery without sending anything (a `/proc` scan on kernels before 6.9).
     pub fn group_exists(&self) -> Result<bool, ProcessError> {
-        if !group_fallback::use_fallback() {
-            match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
-                Ok(()) => return Ok(true),
-                Err(ProcessError::NoSuchProcess { .. }) => return Ok(false),
-                Err(err) if group_fallback::is_flag_unsupported(&err) => {}
-                Err(err) => return Err(err),
-            }
-        }
-        group_fallback::group_exists(self)
+        self.group_signal0()
+            .unwrap_or_else(|| group_fallback::group_exists(self))
     }
 
     /// [`Self::group_exists`] by its one syscall, which never waits on another process;
-    /// `None` where that syscall is not available (kernels before 6.9 scan /proc instead).
+    /// `None` where that syscall is not available (kernels before 6.9 scan /proc instead) or
+    /// failed.
     pub fn group_exists_now(&self) -> Option<bool> {
+        self.group_signal0()?.ok()
+    }
+
+    /// Signal 0 to the group through the pidfd; `None` where the flag is not available (the
+    /// first refusal is recorded, so later calls skip the syscall).
+    fn group_signal0(&self) -> Option<Result<bool, ProcessError>> {
         if group_fallback::use_fallback() {
             return None;
         }
         match self.send_raw(0, PIDFD_SIGNAL_PROCESS_GROUP, "pidfd_send_signal(0, group)") {
-            Ok(()) => Some(true),
-            Err(ProcessError::NoSuchProcess { .. }) => Some(false),
-            Err(err) => {
-                // Recorded once (EINVAL: the flag is missing), so later calls skip the syscall.
-                group_fallback::is_flag_unsupported(&err);
-                None
-            }
+            Ok(()) => Some(Ok(true)),
+            Err(ProcessError::NoSuchProcess { .. }) => Some(Ok(false)),
+            Err(err) if group_fallback::is_flag_unsupported(&err) => None,
+            Err(err) => Some(Err(err)),
         }
     }
 
