@@ -182,6 +182,9 @@ fn a_failed_nested_step_drops_its_events_but_not_its_ops() {
             }));
         }
         let committed = tb.board.write_batch(ops).unwrap();
+        // The first attempt takes no savepoint for the nested step either; the step wrote
+        // before failing, so only the op-by-op attempt could undo it alone.
+        assert!(committed.retried, "batch of {batch_len}");
         let reported: Vec<&str> = committed.events.iter().map(|e| e.kind.as_str()).collect();
         let expected: &[&str] = if batch_len == 1 {
             &["outer"]
@@ -194,6 +197,56 @@ fn a_failed_nested_step_drops_its_events_but_not_its_ops() {
         kinds(&mut tb.board, task),
         ["created", "outer", "outer", "other"]
     );
+}
+
+#[test]
+fn a_nested_step_refused_before_it_writes_costs_no_second_attempt() {
+    let (mut tb, task) = board_with_task();
+    let ops: Vec<BatchOp<'_, i64>> = vec![
+        Box::new(move |tx| {
+            // Refused by a check, before any write (as the board's claims are).
+            let inner = tx.nested(|tx| {
+                tx.task_events_since(task, 0, 10)?;
+                Err::<(), _>(refused())
+            });
+            assert!(inner.is_err());
+            tx.append_event(Some(task), None, "outer", note(1), T)
+        }),
+        Box::new(move |tx| tx.append_event(Some(task), None, "other", note(2), T)),
+    ];
+    let committed = tb.board.write_batch(ops).unwrap();
+    assert!(!committed.retried, "nothing to undo, so no second attempt");
+    assert!(committed.results.iter().all(|r| r.is_ok()));
+    let reported: Vec<&str> = committed.events.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(reported, ["outer", "other"]);
+    assert_eq!(kinds(&mut tb.board, task), ["created", "outer", "other"]);
+}
+
+#[test]
+fn what_an_op_does_after_a_failed_nested_step_never_sees_that_steps_writes() {
+    let (mut tb, task) = board_with_task();
+    // Refuses if the undone step's event is visible: as with a savepoint it must not be,
+    // although the first attempt ran the step with none.
+    let op = move |tx: &runwarden::board::Tx<'_>| {
+        let _ = tx.nested(|tx| {
+            tx.append_event(Some(task), None, "inner", note(1), T)?;
+            Err::<(), _>(refused())
+        });
+        let seen = tx.task_events_since(task, 0, 100)?;
+        if seen.iter().any(|e| e.kind == "inner") {
+            return Err(BoardError::Conflict("saw an undone write".into()));
+        }
+        tx.append_event(Some(task), None, "outer", note(2), T)
+    };
+    // Alone: a lone op's error is normally its answer as it stands — not this one.
+    let committed = tb.board.write_batch(vec![Box::new(op)]).unwrap();
+    assert!(committed.retried);
+    assert!(
+        committed.results[0].is_ok(),
+        "{:?}",
+        committed.results[0].as_ref().err()
+    );
+    assert_eq!(kinds(&mut tb.board, task), ["created", "outer"]);
 }
 
 /// Runs `f` with a StoreActor on `path` inside its own actix system; flushes it afterwards.

@@ -218,7 +218,8 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, Store
     store
         .with_tx(move |tx, now| {
             close_after_exit(tx, &cx, &tail, now)?;
-            // In a savepoint of its own: a failed claim must not undo the recorded exit.
+            // A nested step: a failed claim must not undo the recorded exit. (It costs no
+            // savepoint unless it fails after writing: see `Tx::nested`.)
             let not_run = || Refill {
                 ran: false,
                 claims: Vec::new(),

@@ -241,11 +241,12 @@ impl Board {
     /// same pages (the events' last page, the tasks' and runs' indexes): they were a sixth of
     /// the instructions of a lifecycle's board work (callgrind on `bench replay`). Yet the
     /// board's transitions are refused by checks made before they write, and an op that wrote
-    /// nothing has nothing to undo. So the batch is
-    /// first applied with no savepoint; only if an op fails after writing (a composite
-    /// transition refused half-way, an I/O error that left the transaction open) is that
-    /// attempt rolled back whole and the batch applied again with each op in a savepoint —
-    /// which is why an op may be called twice (see [`BatchOp`]). The supervisor's own
+    /// nothing has nothing to undo. So the batch is first applied with no savepoint, not even
+    /// for the ops' [`Tx::nested`] steps; only if an op, or a nested step, fails after writing
+    /// (a composite transition refused half-way, an I/O error that left the transaction open)
+    /// is that attempt rolled back whole and the batch applied again with each op, and each
+    /// nested step, in a savepoint — which is why an op may be called twice (see
+    /// [`BatchOp`]). The supervisor's own
     /// transitions are refused by checks made before they write, so its batches are normally
     /// applied once (the lifecycle bench counts the exceptions).
     ///
@@ -273,7 +274,10 @@ impl Board {
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
         let appended = RefCell::new(Vec::new());
-        let txn = Tx::new(&tx, Some(&appended));
+        let txn = Tx {
+            savepoint_free: !op_by_op,
+            ..Tx::new(&tx, Some(&appended))
+        };
         let mut results = Vec::with_capacity(batch.len());
         let lone = batch.len() == 1;
         for op in batch {
@@ -292,6 +296,12 @@ impl Board {
             }
             let before = tx.total_changes();
             let out = op(&txn);
+            if txn.undo_needed.get() && txn.ended.get().is_none() {
+                // A `nested` step failed after writing, and nothing can undo it alone; what the
+                // op did after it ran on top of those writes. Only the op-by-op attempt
+                // answers as the op's savepoints would (dropping the transaction undoes this).
+                return Ok(None);
+            }
             if lone && out.is_err() {
                 // A lone op's failure is its caller's answer, whatever it rolled back with it
                 // (dropping the transaction undoes what it wrote).
@@ -370,6 +380,11 @@ pub struct Tx<'a> {
     /// An error inside a savepoint rolled the whole transaction back (see [`Tx::nested`]):
     /// whatever else ran in it is rolled back too, whatever its callers make of that error.
     ended: std::cell::Cell<Option<EndedBy>>,
+    /// The first attempt of a batch: [`Tx::nested`] takes no savepoint (see there).
+    savepoint_free: bool,
+    /// A step of [`Tx::nested`] failed after writing while `savepoint_free`: nothing can undo
+    /// it alone, so this attempt must be abandoned and the batch applied op by op.
+    undo_needed: std::cell::Cell<bool>,
 }
 
 /// What ended a transaction early: the SQLite error code, when it was one.
@@ -394,6 +409,8 @@ impl<'a> Tx<'a> {
             conn,
             appended,
             ended: std::cell::Cell::new(None),
+            savepoint_free: false,
+            undo_needed: std::cell::Cell::new(false),
         }
     }
 
@@ -406,10 +423,42 @@ impl<'a> Tx<'a> {
         }
     }
 
+    /// After a [`Tx::nested`] step: if its error rolled back the whole transaction, savepoints
+    /// included (SQLite does that on a full disk), records it in `ended`. A caller that goes on
+    /// regardless (one refused claim in a pass is not the pass's failure) must not have its
+    /// next statements commit one by one, outside any transaction: they run in a fresh one
+    /// that the writer rolls back, seeing `ended`.
+    fn note_if_rolled_back<T>(&self, out: &Result<T>) -> Result<()> {
+        if self.ended.get().is_none() && self.conn.is_autocommit() {
+            self.ended.set(Some(EndedBy(sqlite_code(out))));
+            self.conn.execute_batch("BEGIN")?;
+        }
+        Ok(())
+    }
+
     /// Runs `f` in a nested savepoint: if it fails, only its own writes are undone and the
     /// enclosing transaction goes on (e.g. one refused claim in a dispatch pass).
+    ///
+    /// In the first attempt of a [`Board::write_batch`] there is no savepoint (a savepoint
+    /// copies every page its step then touches: the claim made on each worker's exit cost a
+    /// tenth of a lifecycle's board work that way, callgrind on `bench replay`). A step that
+    /// fails before writing (the board's transitions check first) has nothing to undo; one
+    /// that fails after writing makes the whole attempt void, and the batch is applied again
+    /// with every op, and every `nested` step in it, in a savepoint of its own.
     pub fn nested<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
         self.check_not_ended()?;
+        if self.savepoint_free {
+            let before = self.conn.total_changes();
+            let out = f(self);
+            self.note_if_rolled_back(&out)?;
+            if let Some(by) = self.ended.get() {
+                return Err(out.err().unwrap_or_else(|| by.error()));
+            }
+            if out.is_err() && self.conn.total_changes() != before {
+                self.undo_needed.set(true);
+            }
+            return out;
+        }
         // Prepared once per connection: parsing "SAVEPOINT …" each time (once per op of every
         // batch, when each op had one) was a visible share of the writer's time.
         self.conn.prepare_cached("SAVEPOINT nested")?.execute([])?;
@@ -422,15 +471,7 @@ impl<'a> Tx<'a> {
             }
         };
         let out = f(self);
-        if self.ended.get().is_none() && self.conn.is_autocommit() {
-            // An error in `f` rolled back the whole transaction, savepoints included (SQLite
-            // does that on a full disk). A caller that goes on regardless (one refused claim in
-            // a pass is not the pass's failure) must not have its next statements commit one
-            // by one, outside any transaction: they run in a fresh one that the writer rolls
-            // back, seeing `ended`.
-            self.ended.set(Some(EndedBy(sqlite_code(&out))));
-            self.conn.execute_batch("BEGIN")?;
-        }
+        self.note_if_rolled_back(&out)?;
         // Rolled back early, in `f` or in a savepoint nested in it: this savepoint is gone with
         // the transaction (nothing to release or roll back to).
         if let Some(by) = self.ended.get() {
