@@ -65,9 +65,9 @@ pub trait StoreOp: Send + 'static {
     /// Applies the op. An `Err` rolls back this op only.
     ///
     /// An op may be applied twice, so its only effects must be on `tx`: a batch is first
-    /// applied without a savepoint per op, and if one of its ops fails after writing, the
-    /// batch is rolled back and applied again with each op in a savepoint of its own (see
-    /// [`Board::write_batch`](crate::board::Board::write_batch)).
+    /// applied without savepoints, and if one of its ops (or a nested step of one) fails
+    /// after writing, the batch is rolled back and applied again with each op and step in a
+    /// savepoint of its own (see [`Board::write_batch`](crate::board::Board::write_batch)).
     fn apply(&self, tx: &Tx<'_>, now: Millis) -> board::Result<Self::Output>;
 }
 

@@ -296,10 +296,12 @@ impl Board {
             }
             let before = tx.total_changes();
             let out = op(&txn);
-            if txn.undo_needed.get() && txn.ended.get().is_none() {
+            if txn.undo_needed.get() {
                 // A `nested` step failed after writing, and nothing can undo it alone; what the
-                // op did after it ran on top of those writes. Only the op-by-op attempt
-                // answers as the op's savepoints would (dropping the transaction undoes this).
+                // op did after it ran on top of those writes — even a rollback of the whole
+                // transaction (a full disk) may be theirs, the pages they took. Only the
+                // op-by-op attempt answers as the op's savepoints would (dropping the
+                // transaction undoes this one).
                 return Ok(None);
             }
             if lone && out.is_err() {
@@ -367,8 +369,9 @@ pub type BatchOp<'a, T> = Box<dyn Fn(&Tx<'_>) -> Result<T> + 'a>;
 pub struct Committed<T> {
     pub results: Vec<Result<T>>,
     pub events: Vec<Event>,
-    /// An op failed after writing in the first attempt, so the batch was applied a second
-    /// time, each op in a savepoint (for statistics: how often the cheap attempt is wasted).
+    /// An op, or a [`Tx::nested`] step of one, failed after writing in the first attempt, so
+    /// the batch was applied a second time, each op and step in a savepoint (for statistics:
+    /// how often the cheap attempt is wasted).
     pub retried: bool,
 }
 
@@ -377,8 +380,8 @@ pub struct Tx<'a> {
     conn: &'a Connection,
     /// Events appended in this transaction, when the caller wants them (group commit).
     appended: Option<&'a RefCell<Vec<Event>>>,
-    /// An error inside a savepoint rolled the whole transaction back (see [`Tx::nested`]):
-    /// whatever else ran in it is rolled back too, whatever its callers make of that error.
+    /// An error inside a [`Tx::nested`] step rolled the whole transaction back: whatever else
+    /// ran in it is rolled back too, whatever its callers make of that error.
     ended: std::cell::Cell<Option<EndedBy>>,
     /// The first attempt of a batch: [`Tx::nested`] takes no savepoint (see there).
     savepoint_free: bool,
@@ -582,5 +585,48 @@ mod tests {
             .write(|tx| tx.create_task(&NewTask::titled("fits"), 1))
             .unwrap();
         assert_eq!(titles(&mut board), ["fits"]);
+    }
+
+    #[test]
+    fn pages_taken_by_a_failed_nested_step_do_not_fill_the_disk_for_the_rest_of_the_batch() {
+        let (_dir, mut board) = nearly_full();
+        let pages: i64 = board
+            .conn
+            .query_row("PRAGMA page_count", [], |r| r.get(0))
+            .unwrap();
+        let _: i64 = board
+            .conn
+            .query_row(
+                &format!("PRAGMA max_page_count = {}", pages + 40),
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        let sized = |title: &str| {
+            let mut new = NewTask::titled(title);
+            new.body = "x".repeat(100 << 10);
+            new
+        };
+        // Room for one such task, not two: the first step's task must be undone before the
+        // second step runs, as a savepoint would.
+        let op = move |tx: &Tx<'_>| {
+            let _ = tx.nested(|tx| {
+                tx.create_task(&sized("undone"), 1)?;
+                Err::<(), _>(BoardError::Conflict("refused after writing".into()))
+            });
+            tx.nested(|tx| tx.create_task(&sized("kept"), 1))
+                .map(|_| ())
+        };
+        let committed = board
+            .write_batch(vec![
+                Box::new(op) as BatchOp<'_, ()>,
+                Box::new(|tx: &Tx<'_>| tx.create_task(&NewTask::titled("other"), 1).map(|_| ())),
+            ])
+            .expect("the batch commits");
+        assert!(committed.retried);
+        assert!(committed.results.iter().all(|r| r.is_ok()));
+        let mut kept = titles(&mut board);
+        kept.sort();
+        assert_eq!(kept, ["kept", "other"]);
     }
 }
