@@ -161,7 +161,7 @@ fn replay(path: &Path, n: usize, slots: usize, sync_full: bool) -> Result<(f64, 
                         signal: None,
                     };
                     let r = tx.record_worker_exit(run, exit, false, now)?;
-                    if r.is_open() && tx.task_state(task)?.1 == Some(run) {
+                    if r.is_open() {
                         tx.complete_task(task, Some(run), None, now)?;
                     }
                     let claimed = tx.nested(|tx| tx.claim_ready(now, rules, u32::MAX))?;

@@ -264,16 +264,25 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: &str, now: Millis) -> b
             now,
         )?;
     }
-    if !run.is_open() || tx.task_state(cx.task_id)?.1 != Some(cx.run_id) {
+    if !run.is_open() {
         // Closed by the worker's own report (or by force): the exit changes nothing.
         return Ok(());
     }
-    let error = match (cx.exit.code, cx.policy.on_exit_zero) {
-        (Some(0), OnExitZero::Complete) => {
-            tx.complete_task(cx.task_id, Some(cx.run_id), None, now)?;
-            return Ok(());
-        }
-        (Some(0), OnExitZero::Crash) => "exited 0 without reporting completion".to_string(),
+    let clean = cx.exit.code == Some(0);
+    if clean && cx.policy.on_exit_zero == OnExitZero::Complete {
+        // `complete_task` checks that the run is still the task's current one before it
+        // writes (no read of our own for that: this is once per lifecycle).
+        return match tx.complete_task(cx.task_id, Some(cx.run_id), None, now) {
+            Ok(_) | Err(board::BoardError::StaleRun { .. }) => Ok(()),
+            Err(e) => Err(e),
+        };
+    }
+    if tx.task_state(cx.task_id)?.1 != Some(cx.run_id) {
+        // No longer the task's current run (closed by force): nothing to fail.
+        return Ok(());
+    }
+    let error = match cx.exit.code {
+        Some(0) => "exited 0 without reporting completion".to_string(),
         _ => {
             let what = match (cx.exit.code, cx.exit.signal) {
                 (Some(c), _) => format!("exited with code {c}"),

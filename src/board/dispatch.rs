@@ -211,7 +211,7 @@ impl super::Tx<'_> {
             // (an I/O error) fails the whole pass instead, undone by its caller: a savepoint, or
             // the batch's second attempt (see `Board::write_batch`).
             let before = self.conn.total_changes();
-            match self.claim_task_to_spawn(task.id, &rules.claimer, now, rules.lease_ms) {
+            match self.claim_candidate_to_spawn(&task, &rules.claimer, now, rules.lease_ms) {
                 Ok(claim) => claimed.push((claim, task)),
                 // (An error that rolled the whole transaction back leaves autocommit on.)
                 Err(e) if self.conn.total_changes() != before || self.conn.is_autocommit() => {

@@ -29,7 +29,7 @@ pub use dispatch::{
     plan_claims,
 };
 pub use reaper::{ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
-pub use runs::{ExitInfo, FailResult};
+pub use runs::{ExitInfo, FailResult, RecordedExit};
 pub use schema::SCHEMA_VERSION;
 pub use types::*;
 

@@ -26,6 +26,21 @@ pub struct ExitInfo {
     pub signal: Option<i32>,
 }
 
+/// A run, as [`Tx::record_worker_exit`] left it: what its caller decides on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordedExit {
+    pub task_id: TaskId,
+    /// When the run was closed; `None` while it is open.
+    pub ended_at: Option<Millis>,
+}
+
+impl RecordedExit {
+    /// True while the run is open (the exit did not close it; its caller decides).
+    pub fn is_open(&self) -> bool {
+        self.ended_at.is_none()
+    }
+}
+
 /// A run's secret: 128 random bits as 32 lowercase hex digits.
 fn new_token() -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -78,6 +93,42 @@ impl Tx<'_> {
         spawn_pending: bool,
     ) -> Result<Claim> {
         let (status, assignee) = self.task_status_and_assignee(task_id)?;
+        self.claim_read(
+            task_id,
+            status,
+            assignee,
+            claimer,
+            now,
+            lease_ms,
+            spawn_pending,
+        )
+    }
+
+    /// [`Tx::claim_task_to_spawn`] of a task whose status and assignee were read in this
+    /// transaction (a dispatch pass's candidates): one read less per claim.
+    pub(super) fn claim_candidate_to_spawn(
+        &self,
+        task: &super::Task,
+        claimer: &str,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<Claim> {
+        let assignee = task.assignee.clone();
+        self.claim_read(task.id, task.status, assignee, claimer, now, lease_ms, true)
+    }
+
+    /// The claim of a task whose `status` and `assignee` are as read in this transaction.
+    #[allow(clippy::too_many_arguments)]
+    fn claim_read(
+        &self,
+        task_id: TaskId,
+        status: TaskStatus,
+        assignee: Option<String>,
+        claimer: &str,
+        now: Millis,
+        lease_ms: i64,
+        spawn_pending: bool,
+    ) -> Result<Claim> {
         if status != TaskStatus::Ready {
             return Err(BoardError::Conflict(format!(
                 "task {task_id} is {status}, not ready"
@@ -536,7 +587,7 @@ impl Tx<'_> {
         exit: ExitInfo,
         group_alive: bool,
         now: Millis,
-    ) -> Result<Run> {
+    ) -> Result<RecordedExit> {
         // A plain UPDATE, then the row by its key: `RETURNING` costs an ephemeral table per
         // execution, more than the second lookup (measured).
         let sql = if group_alive {
@@ -548,12 +599,24 @@ impl Tx<'_> {
         self.conn
             .prepare_cached(sql)?
             .execute(params![run_id, exit.code, exit.signal])?;
-        let run = self.get_run(run_id)?;
+        // Two columns, not the whole row (its strings cost more than the UPDATE; once per
+        // lifecycle).
+        let run = self
+            .conn
+            .prepare_cached("SELECT task_id, ended_at FROM task_runs WHERE id = ?1")?
+            .query_row([run_id], |r| {
+                Ok(RecordedExit {
+                    task_id: r.get(0)?,
+                    ended_at: r.get(1)?,
+                })
+            })
+            .optional()?
+            .ok_or_else(|| BoardError::not_found("run", run_id))?;
         self.append_event(
             Some(run.task_id),
             Some(run_id),
             "worker_exited",
-            json!({ "code": exit.code, "signal": exit.signal, "run_open": run.ended_at.is_none() }),
+            json!({ "code": exit.code, "signal": exit.signal, "run_open": run.is_open() }),
             now,
         )?;
         Ok(run)
@@ -575,22 +638,39 @@ impl Tx<'_> {
                  WHERE id = ?1 AND ended_at IS NULL",
             )?
             .execute(params![run_id, outcome.as_str(), now, summary, error])?;
-        let run = self.get_run(run_id)?;
+        // Only what the closing needs (the whole row, strings and all, cost as much as the
+        // UPDATE itself, once per lifecycle).
+        let (task_id, pid, boot_id, start_ticks) = self
+            .conn
+            .prepare_cached(
+                "SELECT task_id, worker_pid, worker_boot_id, worker_start_ticks \
+                 FROM task_runs WHERE id = ?1",
+            )?
+            .query_row([run_id], |r| {
+                Ok((
+                    r.get::<_, TaskId>(0)?,
+                    r.get::<_, Option<i64>>(1)?,
+                    r.get::<_, Option<String>>(2)?,
+                    r.get::<_, Option<i64>>(3)?,
+                ))
+            })
+            .optional()?
+            .ok_or_else(|| BoardError::not_found("run", run_id))?;
         if changed == 0 {
             return Err(BoardError::Conflict(format!(
                 "run {run_id} is already closed"
             )));
         }
         let closed = ClosedRun {
-            task_id: run.task_id,
+            task_id,
             run_id,
             outcome,
             ended_at: now,
-            pid: run.worker_pid.and_then(|p| i32::try_from(p).ok()),
-            fingerprint: run.fingerprint(),
+            pid: pid.and_then(|p| i32::try_from(p).ok()),
+            fingerprint: super::types::fingerprint_of(boot_id, start_ticks),
         };
         self.append_event(
-            Some(run.task_id),
+            Some(task_id),
             Some(run_id),
             "run_closed",
             json!({

@@ -164,10 +164,7 @@ pub struct Run {
 impl Run {
     /// The recorded spawn fingerprint, if the row has a complete one.
     pub fn fingerprint(&self) -> Option<Fingerprint> {
-        Some(Fingerprint {
-            boot_id: self.worker_boot_id.clone()?,
-            start_ticks: u64::try_from(self.worker_start_ticks?).ok()?,
-        })
+        fingerprint_of(self.worker_boot_id.clone(), self.worker_start_ticks)
     }
 
     /// True while the run is open.
@@ -338,6 +335,18 @@ pub const EVENT_KINDS: [&str; 26] = [
     "reclaim_deferred",
     "event_ids_reserved",
 ];
+
+/// The fingerprint stored in a run's `worker_boot_id` and `worker_start_ticks` columns, if it
+/// holds a whole one.
+pub(crate) fn fingerprint_of(
+    boot_id: Option<String>,
+    start_ticks: Option<i64>,
+) -> Option<Fingerprint> {
+    Some(Fingerprint {
+        boot_id: boot_id?,
+        start_ticks: u64::try_from(start_ticks?).ok()?,
+    })
+}
 
 #[cfg(test)]
 mod event_kind_tests {
