@@ -504,6 +504,11 @@ mod tests {
 
     /// A board that has room for only a few more pages.
     fn nearly_full() -> (tempfile::TempDir, Board) {
+        with_room_for(3)
+    }
+
+    /// A board that has room for only `room` more pages.
+    fn with_room_for(room: i64) -> (tempfile::TempDir, Board) {
         let dir = tempfile::tempdir().unwrap();
         let board = Board::open(&dir.path().join("board.db")).unwrap();
         let pages: i64 = board
@@ -512,9 +517,11 @@ mod tests {
             .unwrap();
         let _: i64 = board
             .conn
-            .query_row(&format!("PRAGMA max_page_count = {}", pages + 3), [], |r| {
-                r.get(0)
-            })
+            .query_row(
+                &format!("PRAGMA max_page_count = {}", pages + room),
+                [],
+                |r| r.get(0),
+            )
             .unwrap();
         (dir, board)
     }
@@ -589,19 +596,7 @@ mod tests {
 
     #[test]
     fn pages_taken_by_a_failed_nested_step_do_not_fill_the_disk_for_the_rest_of_the_batch() {
-        let (_dir, mut board) = nearly_full();
-        let pages: i64 = board
-            .conn
-            .query_row("PRAGMA page_count", [], |r| r.get(0))
-            .unwrap();
-        let _: i64 = board
-            .conn
-            .query_row(
-                &format!("PRAGMA max_page_count = {}", pages + 40),
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
+        let (_dir, mut board) = with_room_for(40);
         let sized = |title: &str| {
             let mut new = NewTask::titled(title);
             new.body = "x".repeat(100 << 10);
