@@ -268,8 +268,7 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: &str, now: Millis) -> b
         // Closed by the worker's own report (or by force): the exit changes nothing.
         return Ok(());
     }
-    let clean = cx.exit.code == Some(0);
-    if clean && cx.policy.on_exit_zero == OnExitZero::Complete {
+    if cx.exit.code == Some(0) && cx.policy.on_exit_zero == OnExitZero::Complete {
         // `complete_task` checks that the run is still the task's current one before it
         // writes (no read of our own for that: this is once per lifecycle).
         return match tx.complete_task(cx.task_id, Some(cx.run_id), None, now) {

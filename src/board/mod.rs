@@ -450,24 +450,15 @@ impl<'a> Tx<'a> {
     /// with every op, and every `nested` step in it, in a savepoint of its own.
     pub fn nested<T>(&self, f: impl FnOnce(&Tx<'_>) -> Result<T>) -> Result<T> {
         self.check_not_ended()?;
-        if self.savepoint_free {
-            let before = self.conn.total_changes();
-            let out = f(self);
-            self.note_if_rolled_back(&out)?;
-            if let Some(by) = self.ended.get() {
-                return Err(out.err().unwrap_or_else(|| by.error()));
-            }
-            if out.is_err() && self.conn.total_changes() != before {
-                self.undo_needed.set(true);
-            }
-            return out;
+        if !self.savepoint_free {
+            // Prepared once per connection: parsing "SAVEPOINT …" each time (once per op of
+            // every batch, when each op had one) was a visible share of the writer's time.
+            self.conn.prepare_cached("SAVEPOINT nested")?.execute([])?;
         }
-        // Prepared once per connection: parsing "SAVEPOINT …" each time (once per op of every
-        // batch, when each op had one) was a visible share of the writer's time.
-        self.conn.prepare_cached("SAVEPOINT nested")?.execute([])?;
+        let before = self.conn.total_changes();
         let mark = self.appended.map(|a| a.borrow().len());
-        // Events of an undone savepoint are never published (dropped before the rollback
-        // itself, should that fail).
+        // Events of an undone step are never published (dropped before the rollback itself,
+        // should that fail).
         let forget_events = || {
             if let (Some(a), Some(mark)) = (self.appended, mark) {
                 a.borrow_mut().truncate(mark);
@@ -475,11 +466,17 @@ impl<'a> Tx<'a> {
         };
         let out = f(self);
         self.note_if_rolled_back(&out)?;
-        // Rolled back early, in `f` or in a savepoint nested in it: this savepoint is gone with
-        // the transaction (nothing to release or roll back to).
+        // Rolled back early, in `f` or in a step nested in it: a savepoint is gone with the
+        // transaction (nothing to release or roll back to).
         if let Some(by) = self.ended.get() {
             forget_events();
             return Err(out.err().unwrap_or_else(|| by.error()));
+        }
+        if self.savepoint_free {
+            if out.is_err() && self.conn.total_changes() != before {
+                self.undo_needed.set(true);
+            }
+            return out;
         }
         match out {
             Ok(v) => {

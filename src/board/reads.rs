@@ -29,11 +29,7 @@ impl Tx<'_> {
     pub fn get_task(&self, id: TaskId) -> Result<Task> {
         static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let sql = SQL.get_or_init(|| format!("SELECT {TASK_COLS} FROM tasks WHERE id = ?1"));
-        self.conn
-            .prepare_cached(sql)?
-            .query_row([id], rows::task)
-            .optional()?
-            .ok_or_else(|| BoardError::not_found("task", id))
+        self.task_fields(id, sql, rows::task)
     }
 
     /// One task's status (cheaper than `get_task`).
@@ -64,22 +60,39 @@ impl Tx<'_> {
         sql: &str,
         row: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
     ) -> Result<T> {
-        self.conn
-            .prepare_cached(sql)?
-            .query_row([id], row)
-            .optional()?
-            .ok_or_else(|| BoardError::not_found("task", id))
+        self.row_by_id("task", id, sql, row)
     }
 
     /// One run.
     pub fn get_run(&self, id: RunId) -> Result<Run> {
         static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let sql = SQL.get_or_init(|| format!("SELECT {RUN_COLS} FROM task_runs WHERE id = ?1"));
+        self.run_fields(id, sql, rows::run)
+    }
+
+    /// A few columns of one run (`sql` selects them by `id = ?1`); `NotFound` if none.
+    pub(super) fn run_fields<T>(
+        &self,
+        id: RunId,
+        sql: &str,
+        row: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Result<T> {
+        self.row_by_id("run", id, sql, row)
+    }
+
+    /// The row of `sql` (which selects one `what` by `id = ?1`); `NotFound` if none.
+    fn row_by_id<T>(
+        &self,
+        what: &'static str,
+        id: i64,
+        sql: &str,
+        row: impl FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    ) -> Result<T> {
         self.conn
             .prepare_cached(sql)?
-            .query_row([id], rows::run)
+            .query_row([id], row)
             .optional()?
-            .ok_or_else(|| BoardError::not_found("run", id))
+            .ok_or_else(|| BoardError::not_found(what, id))
     }
 
     /// Every run of a task, oldest first.

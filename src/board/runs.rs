@@ -96,7 +96,7 @@ impl Tx<'_> {
         self.claim_read(
             task_id,
             status,
-            assignee,
+            assignee.as_deref(),
             claimer,
             now,
             lease_ms,
@@ -113,7 +113,7 @@ impl Tx<'_> {
         now: Millis,
         lease_ms: i64,
     ) -> Result<Claim> {
-        let assignee = task.assignee.clone();
+        let assignee = task.assignee.as_deref();
         self.claim_read(task.id, task.status, assignee, claimer, now, lease_ms, true)
     }
 
@@ -123,7 +123,7 @@ impl Tx<'_> {
         &self,
         task_id: TaskId,
         status: TaskStatus,
-        assignee: Option<String>,
+        assignee: Option<&str>,
         claimer: &str,
         now: Millis,
         lease_ms: i64,
@@ -601,17 +601,13 @@ impl Tx<'_> {
             .execute(params![run_id, exit.code, exit.signal])?;
         // Two columns, not the whole row (its strings cost more than the UPDATE; once per
         // lifecycle).
-        let run = self
-            .conn
-            .prepare_cached("SELECT task_id, ended_at FROM task_runs WHERE id = ?1")?
-            .query_row([run_id], |r| {
-                Ok(RecordedExit {
-                    task_id: r.get(0)?,
-                    ended_at: r.get(1)?,
-                })
+        let sql = "SELECT task_id, ended_at FROM task_runs WHERE id = ?1";
+        let run = self.run_fields(run_id, sql, |r| {
+            Ok(RecordedExit {
+                task_id: r.get(0)?,
+                ended_at: r.get(1)?,
             })
-            .optional()?
-            .ok_or_else(|| BoardError::not_found("run", run_id))?;
+        })?;
         self.append_event(
             Some(run.task_id),
             Some(run_id),
@@ -640,22 +636,16 @@ impl Tx<'_> {
             .execute(params![run_id, outcome.as_str(), now, summary, error])?;
         // Only what the closing needs (the whole row, strings and all, cost as much as the
         // UPDATE itself, once per lifecycle).
-        let (task_id, pid, boot_id, start_ticks) = self
-            .conn
-            .prepare_cached(
-                "SELECT task_id, worker_pid, worker_boot_id, worker_start_ticks \
-                 FROM task_runs WHERE id = ?1",
-            )?
-            .query_row([run_id], |r| {
-                Ok((
-                    r.get::<_, TaskId>(0)?,
-                    r.get::<_, Option<i64>>(1)?,
-                    r.get::<_, Option<String>>(2)?,
-                    r.get::<_, Option<i64>>(3)?,
-                ))
-            })
-            .optional()?
-            .ok_or_else(|| BoardError::not_found("run", run_id))?;
+        let sql = "SELECT task_id, worker_pid, worker_boot_id, worker_start_ticks \
+                   FROM task_runs WHERE id = ?1";
+        let (task_id, pid, boot_id, start_ticks) = self.run_fields(run_id, sql, |r| {
+            Ok((
+                r.get::<_, TaskId>(0)?,
+                r.get::<_, Option<i64>>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, Option<i64>>(3)?,
+            ))
+        })?;
         if changed == 0 {
             return Err(BoardError::Conflict(format!(
                 "run {run_id} is already closed"

@@ -134,7 +134,7 @@ pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
                 path.display()
             ))
         })?;
-        return copy_to_stdout(&mut file).map(|_| ());
+        return copy_to_stdout(&mut file);
     }
     follow_file(&path)
 }
@@ -265,11 +265,10 @@ fn stdout_error(e: std::io::Error) -> CliError {
     }
 }
 
-/// Copies what is left of `file` to stdout; returns the number of bytes copied.
-fn copy_to_stdout(file: &mut File) -> Result<u64, CliError> {
+/// Copies what is left of `file` to stdout.
+fn copy_to_stdout(file: &mut File) -> Result<(), CliError> {
     let mut stdout = std::io::stdout().lock();
     let mut buf = [0u8; 64 * 1024];
-    let mut total = 0u64;
     loop {
         let n = file
             .read(&mut buf)
@@ -278,10 +277,8 @@ fn copy_to_stdout(file: &mut File) -> Result<u64, CliError> {
             break;
         }
         stdout.write_all(&buf[..n]).map_err(stdout_error)?;
-        total += n as u64;
     }
-    stdout.flush().map_err(|_| CliError::quiet())?;
-    Ok(total)
+    stdout.flush().map_err(|_| CliError::quiet())
 }
 
 /// `tail -f`: prints the file, then polls for growth; starts over when it was rotated.
