@@ -7,11 +7,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::proc_guard::wait_until;
-use common::runtime::{SETTLE, TestDir, WorkerGuard, lib_config, worker_identity};
+use common::runtime::{SETTLE, TestDir, WorkerGuard, lib_config, wait_worker};
 use runwarden::board::{Event, NewTask, Run, RunOutcome, TaskId, TaskStatus};
 use runwarden::config::AssigneeConfig;
-use runwarden::process::{Fingerprint, Pid, Signal};
+use runwarden::process::Signal;
 use runwarden::{Supervisor, SupervisorHandle};
 
 fn assignee(script: &str, max_retries: u32) -> AssigneeConfig {
@@ -24,26 +23,6 @@ fn add(sup: &SupervisorHandle, title: &str, who: &str) -> TaskId {
     sup.add_task(NewTask::titled(title).for_assignee(who))
         .expect("add task")
         .id
-}
-
-/// Waits for the task's (first) worker and returns its pid and fingerprint.
-fn wait_spawned(sup: &SupervisorHandle, id: TaskId) -> (Pid, Fingerprint) {
-    let mut found = None;
-    assert!(
-        wait_until(SETTLE, || {
-            found = sup
-                .task(id)
-                .expect("task detail")
-                .events
-                .iter()
-                .find(|e| e.kind == "worker_spawned")
-                .and_then(worker_identity);
-            found.is_some()
-        }),
-        "task {id} never got a worker: {:?}",
-        sup.task(id)
-    );
-    found.unwrap()
 }
 
 fn finish(sup: &SupervisorHandle, id: TaskId) -> (TaskStatus, Vec<Run>, Vec<Event>) {
@@ -75,7 +54,7 @@ fn an_exit_code_crashes_the_run_and_leaves_other_workers_alone() {
     let sup = Supervisor::start(config).expect("start the supervisor");
 
     let long_id = add(&sup, "long", "long");
-    let (long_pid, long_fp) = wait_spawned(&sup, long_id);
+    let (long_pid, long_fp) = wait_worker(&sup, long_id);
     let long_worker = WorkerGuard::pin(long_pid, &long_fp);
 
     let crash_id = add(&sup, "crash", "crash");
@@ -144,7 +123,7 @@ fn a_worker_killed_by_sigkill_crashes_its_run_with_signal_9() {
     let sup = Supervisor::start(config).expect("start the supervisor");
 
     let id = add(&sup, "victim", "victim");
-    let (pid, fp) = wait_spawned(&sup, id);
+    let (pid, fp) = wait_worker(&sup, id);
     // The pid as the run row has it.
     let row_pid = sup.task(id).expect("task detail").runs[0].worker_pid;
     assert_eq!(row_pid, Some(i64::from(pid)));

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::proc_guard::wait_until;
 use common::runtime::{
-    SETTLE, Serve, TestDir, WorkerGuard, lib_config, poll_board, runs_of, task_event,
-    worker_identity,
+    SETTLE, Serve, TestDir, WorkerGuard, lib_config, poll_board, runs_of, task_event, wait_event,
+    wait_worker, worker_identity,
 };
 use runwarden::Supervisor;
 use runwarden::board::{Board, Event, NewTask, RunOutcome, TaskStatus, now_millis};
@@ -98,21 +98,7 @@ fn a_worker_hanging_after_completion_is_ended_grace_after_the_close() {
         .expect("add task")
         .id;
 
-    let mut spawned = None;
-    assert!(
-        wait_until(SETTLE, || {
-            let detail = sup.task(id).expect("task detail");
-            spawned = detail
-                .events
-                .iter()
-                .find(|e| e.kind == "worker_spawned")
-                .and_then(worker_identity);
-            spawned.is_some()
-        }),
-        "no worker_spawned for task {id}: {:?}",
-        sup.task(id)
-    );
-    let (pid, fp) = spawned.unwrap();
+    let (pid, fp) = wait_worker(&sup, id);
     let members = pin_group(pid);
 
     // Taken before the call: the run closes inside it, so no slow reply can make a kill at the
@@ -136,21 +122,7 @@ fn a_worker_hanging_after_completion_is_ended_grace_after_the_close() {
         );
     }
 
-    let mut reaped = None;
-    assert!(
-        wait_until(SETTLE, || {
-            reaped = sup
-                .task(id)
-                .expect("task detail")
-                .events
-                .into_iter()
-                .find(|e| e.kind == "terminal_worker_reaped");
-            reaped.is_some()
-        }),
-        "no terminal_worker_reaped event: {:?}",
-        sup.task(id)
-    );
-    let reaped = reaped.unwrap();
+    let reaped = wait_event(&sup, id, "terminal_worker_reaped");
     assert_reaped_event(&reaped, pid, &fp);
 
     // The leader's exit is recorded at once; the evidence is cleared once the rest of its

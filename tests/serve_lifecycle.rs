@@ -11,26 +11,11 @@ use std::time::{Duration, Instant};
 
 use common::proc_guard::wait_until;
 use common::runtime::{
-    SETTLE, Serve, TestDir, WorkerGuard, poll_board, runs_of, task_event, worker_identity,
+    SETTLE, Serve, TestDir, WorkerGuard, add_to_board, runs_of, task_event, wait_worker_in_board,
 };
-use runwarden::board::{Board, NewTask, RunOutcome, TaskId, TaskStatus, now_millis};
+use runwarden::board::{Board, RunOutcome, TaskStatus};
 use runwarden::config::Config;
-use runwarden::process::{Fingerprint, Pid, Signal, fingerprint, group_members};
-
-/// Adds a task straight into the board file (the supervisor picks it up on its tick).
-fn add_task(db: &Path, who: &str) -> TaskId {
-    let mut board = Board::open(db).expect("open the board");
-    board
-        .write(|tx| tx.create_task(&NewTask::titled(who).for_assignee(who), now_millis()))
-        .expect("create task")
-        .id
-}
-
-fn wait_spawned(db: &Path, id: TaskId) -> (Pid, Fingerprint) {
-    poll_board(db, "the worker to be spawned", |b| {
-        task_event(b, id, "worker_spawned").and_then(|e| worker_identity(&e))
-    })
-}
+use runwarden::process::{Pid, Signal, fingerprint, group_members};
 
 /// Pins every live member of the worker group led by `leader`, once it has `n` of them.
 fn pin_group(leader: Pid, n: usize) -> Vec<WorkerGuard> {
@@ -236,8 +221,8 @@ fn shutdown_leave_keeps_workers_running() {
     let db = td.db_path();
     let mut serve = Serve::start(&config, "serve");
     serve.wait_ready(&td.lock_path(), &db);
-    let id = add_task(&db, "sleeper");
-    let (pid, fp) = wait_spawned(&db, id);
+    let id = add_to_board(&db, "sleeper");
+    let (pid, fp) = wait_worker_in_board(&db, id);
     let worker = WorkerGuard::pin(pid, &fp);
 
     serve.stop_cleanly(Signal::SIGTERM);
@@ -266,8 +251,8 @@ fn shutdown_terminate_ends_workers_and_releases_their_runs() {
     let db = td.db_path();
     let mut serve = Serve::start(&config, "serve");
     serve.wait_ready(&td.lock_path(), &db);
-    let id = add_task(&db, "group");
-    let (pid, _) = wait_spawned(&db, id);
+    let id = add_to_board(&db, "group");
+    let (pid, _) = wait_worker_in_board(&db, id);
     let members = pin_group(pid, 3);
 
     serve.stop_cleanly(Signal::SIGTERM);

@@ -120,6 +120,55 @@ pub fn worker_identity(ev: &Event) -> Option<(Pid, Fingerprint)> {
     ))
 }
 
+/// Waits for the first event of `kind` on task `id` under the library supervisor `sup` (fails
+/// the test after [`SETTLE`]).
+pub fn wait_event(sup: &runwarden::SupervisorHandle, id: TaskId, kind: &str) -> Event {
+    let mut found = None;
+    assert!(
+        wait_until(SETTLE, || {
+            found = sup
+                .task(id)
+                .expect("task detail")
+                .events
+                .into_iter()
+                .find(|e| e.kind == kind);
+            found.is_some()
+        }),
+        "no {kind} event on task {id}: {:?}",
+        sup.task(id)
+    );
+    found.unwrap()
+}
+
+/// Waits for task `id`'s first worker under the library supervisor `sup`: its pid and
+/// fingerprint.
+pub fn wait_worker(sup: &runwarden::SupervisorHandle, id: TaskId) -> (Pid, Fingerprint) {
+    let ev = wait_event(sup, id, "worker_spawned");
+    worker_identity(&ev).unwrap_or_else(|| panic!("no pid and fingerprint in {ev:?}"))
+}
+
+/// Adds a task for `who` straight into the board file at `db` (a running `serve` picks it up
+/// on its tick).
+pub fn add_to_board(db: &Path, who: &str) -> TaskId {
+    let mut board = Board::open(db).expect("open the board");
+    board
+        .write(|tx| {
+            tx.create_task(
+                &runwarden::board::NewTask::titled(who).for_assignee(who),
+                runwarden::board::now_millis(),
+            )
+        })
+        .expect("create task")
+        .id
+}
+
+/// Waits for task `id`'s first worker as recorded in the board file at `db`.
+pub fn wait_worker_in_board(db: &Path, id: TaskId) -> (Pid, Fingerprint) {
+    poll_board(db, "the worker to be spawned", |b| {
+        task_event(b, id, "worker_spawned").and_then(|e| worker_identity(&e))
+    })
+}
+
 /// SIGKILLs (group and process) every recorded worker still provably alive. Best effort: a
 /// board that cannot be read has no workers to find.
 pub fn kill_recorded_workers(db: &Path) {
