@@ -13,7 +13,8 @@
 //!   only module that contains SQL. Usable alone (the invariant tests drive it directly).
 //! - [`process`]: process identity ([`process::Fingerprint`], [`process::liveness`]) and safe
 //!   signalling (pidfd opened, fingerprint re-verified, whole process group signalled),
-//!   descendant tracking, the subreaper's orphan reaping.
+//!   descendant tracking, the subreaper's orphan reaping, the scheduling policy of the
+//!   supervisor's own threads ([`process::sched`]).
 //! - [`actors`]: the running supervisor — `StoreActor` (the only writer: one thread, group
 //!   commit, publishes each commit's events as one batch), `DispatcherActor` (claims within
 //!   caps, adopts a previous incarnation's workers), `WorkerActor` (one per live run; its

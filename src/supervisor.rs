@@ -187,6 +187,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
             synchronous_full: config.supervisor.synchronous == Synchronous::Full,
             read_only: false,
         },
+        config.supervisor.scheduling,
     )?;
     let reaper = ReaperActor::new(
         store.clone(),
@@ -195,7 +196,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         config.supervisor.tick,
     )
     .start();
-    let spawner = Spawner::for_this_machine()
+    let spawner = Spawner::for_this_machine(config.supervisor.scheduling)
         .map_err(|e| SupervisorError::Runtime(format!("cannot start the spawner threads: {e}")))?;
     let dispatcher =
         DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner).start();
@@ -242,13 +243,30 @@ async fn stop(services: &Services) {
 /// `ready` is called once the supervisor is up (with its services). It blocks its thread: call
 /// it from a thread of its own (a `spawn_blocking` one will do), never from async code running
 /// on a runtime — actix panics starting a runtime inside another. [`Supervisor::start`] runs
-/// it on a thread of its own.
+/// it on a thread of its own. Under `supervisor.scheduling = "batch"` (the default) the
+/// calling thread runs under `SCHED_BATCH` until `run` returns, if it was under the normal
+/// policy (see [`crate::process::sched`]).
 pub fn run<F, Fut>(config: Config, ready: F, shutdown: Fut) -> Result<(), SupervisorError>
 where
     F: FnOnce(&Services) + 'static,
     Fut: Future<Output = ()> + 'static,
 {
-    let system = System::new();
+    // The calling thread becomes the actor thread; it is put back as it was on return.
+    let policy = crate::actors::schedule_this_thread(config.supervisor.scheduling, "actor");
+    let system = if policy.is_some() {
+        System::with_tokio_rt(|| {
+            // actix's own runtime, but the blocking threads (hooks start there) would inherit
+            // SCHED_BATCH from this thread.
+            tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .enable_time()
+                .on_thread_start(process::sched::undo_inherited_batch)
+                .build()
+                .expect("the actor thread's tokio runtime")
+        })
+    } else {
+        System::new()
+    };
     let result = system.block_on(async move {
         // Poll `shutdown` once BEFORE booting. A future that installs its signal handlers on
         // its first poll (as `serve`'s does) then has them in place for the whole boot: a
@@ -283,6 +301,7 @@ where
     });
     System::current().stop();
     let _ = system.run();
+    drop(policy);
     result
 }
 

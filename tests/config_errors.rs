@@ -117,6 +117,17 @@ fn wrong_type_names_the_key() {
 }
 
 #[test]
+fn an_unknown_choice_names_the_key_and_the_choices() {
+    let message = refused("[supervisor]\nscheduling = \"fifo\"\n");
+    assert!(message.contains("[supervisor] scheduling"), "{message}");
+    assert!(message.contains("fifo"), "{message}");
+    assert!(
+        message.contains("batch") && message.contains("normal"),
+        "the accepted values are listed: {message}"
+    );
+}
+
+#[test]
 fn zero_max_in_progress_is_refused() {
     let message = refused("[supervisor]\nmax_in_progress = 0\n");
     assert!(

@@ -1,7 +1,7 @@
 //! Where the kernel (before 5.5) or a seccomp filter refuses `clone3`, workers start through
 //! std's `posix_spawn` with the same contract: each variable once (the run's, the assignee's,
 //! the supervisor's), stdin from /dev/null, stdout and stderr on the task's log, its own
-//! process group, its task's work dir. The refusal is forced by a process-wide hook: this file
+//! process group, its task's work dir, the normal scheduling policy. The refusal is forced by a process-wide hook: this file
 //! is its own test binary.
 
 #[allow(dead_code)]
@@ -58,6 +58,14 @@ fn a_worker_started_without_clone3_gets_the_same_start() {
     let (pid, rest) = stat.split_once(" (").expect("stat");
     let pgrp = rest.rsplit_once(") ").expect("stat").1.split(' ').nth(2);
     assert_eq!(pgrp, Some(pid), "the worker leads its own group: {stat}");
+    // Field 41 is the scheduling policy: normal (0), though its spawner runs SCHED_BATCH.
+    let policy = rest
+        .rsplit_once(") ")
+        .expect("stat")
+        .1
+        .split(' ')
+        .nth(41 - 3);
+    assert_eq!(policy, Some("0"), "the worker's scheduling policy: {stat}");
     let log = fs::read_to_string(td.data_dir().join("logs").join(format!("{id}.log")));
     assert_eq!(log.expect("the log").trim(), "logged");
     sup.shutdown();

@@ -13,6 +13,7 @@ use common::board::{events_of, kinds, temp_board};
 use futures::FutureExt;
 use runwarden::actors::store::{EventFeed, Flush, StoreActor};
 use runwarden::board::{BatchOp, BoardError, Event, NewTask, OpenOptions, TaskId};
+use runwarden::config::Scheduling;
 use serde_json::json;
 
 const T: i64 = 1_700_000_000_000;
@@ -256,7 +257,8 @@ fn with_store<T: 'static>(
 ) -> T {
     let system = actix::System::new();
     let out = system.block_on(async move {
-        let store = StoreActor::start_on(path, OpenOptions::default()).expect("start the store");
+        let store = StoreActor::start_on(path, OpenOptions::default(), Scheduling::Normal)
+            .expect("start the store");
         let out = f(store.clone()).await;
         store.addr.send(Flush).await.expect("flush the store");
         out

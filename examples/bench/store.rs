@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use runwarden::actors::store::{Flush, StoreActor};
 use runwarden::board::{self, Board, OpenOptions, Tx};
+use runwarden::config::Scheduling;
 use serde_json::json;
 
 use crate::Opts;
@@ -72,7 +73,8 @@ fn group_commit(path: PathBuf, n: usize, callers: usize, op: Op) -> Result<Group
     LAST_OP_NS.store(0, Ordering::Relaxed);
     let system = actix::System::new();
     let res = system.block_on(async move {
-        let store = StoreActor::start_on(path, FULL).map_err(|e| e.to_string())?;
+        let store =
+            StoreActor::start_on(path, FULL, Scheduling::default()).map_err(|e| e.to_string())?;
         let next = Arc::new(AtomicUsize::new(0));
         let errors = Arc::new(AtomicUsize::new(0));
         let t0 = Instant::now();

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use tokio::sync::oneshot;
 
 use crate::board::{RunId, TaskId};
+use crate::config::Scheduling;
 use crate::process::{self, Fingerprint, PidFd};
 
 /// Everything needed to start one run's worker.
@@ -93,40 +94,38 @@ impl Drop for Handoff {
 }
 
 impl Spawner {
-    /// Starts `threads` spawner threads (at least one).
-    pub fn start(threads: usize) -> std::io::Result<Spawner> {
+    /// Starts `threads` spawner threads (at least one) under `scheduling`.
+    pub fn start(threads: usize, scheduling: Scheduling) -> std::io::Result<Spawner> {
         let (jobs, rx) = mpsc::channel::<SpawnJob>();
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..threads.max(1) {
             let rx = rx.clone();
-            std::thread::Builder::new()
-                .name(format!("runwarden-spawn-{i}"))
-                .spawn(move || {
-                    loop {
-                        // The lock is held only while waiting for the next job.
-                        let job = match rx.lock().unwrap_or_else(|p| p.into_inner()).recv() {
-                            Ok(job) => job,
-                            Err(_) => return, // every handle is gone
-                        };
-                        // A caller that went away (its actor stopped) no longer wants a
-                        // child: none is started for it, and one started while it left is
-                        // killed by its Handoff's drop.
-                        if job.reply.is_closed() {
-                            continue;
-                        }
-                        let _ = job
-                            .reply
-                            .send(spawn(&job.spec).map(|child| Handoff(Some(child))));
+            super::spawn_thread(format!("runwarden-spawn-{i}"), scheduling, move || {
+                loop {
+                    // The lock is held only while waiting for the next job.
+                    let job = match rx.lock().unwrap_or_else(|p| p.into_inner()).recv() {
+                        Ok(job) => job,
+                        Err(_) => return, // every handle is gone
+                    };
+                    // A caller that went away (its actor stopped) no longer wants a
+                    // child: none is started for it, and one started while it left is
+                    // killed by its Handoff's drop.
+                    if job.reply.is_closed() {
+                        continue;
                     }
-                })?;
+                    let _ = job
+                        .reply
+                        .send(spawn(&job.spec).map(|child| Handoff(Some(child))));
+                }
+            })?;
         }
         Ok(Spawner { jobs })
     }
 
     /// Starts a supervisor's spawner: one thread per core, two to four.
-    pub fn for_this_machine() -> std::io::Result<Spawner> {
+    pub fn for_this_machine(scheduling: Scheduling) -> std::io::Result<Spawner> {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Spawner::start(cores.clamp(2, 4))
+        Spawner::start(cores.clamp(2, 4), scheduling)
     }
 
     /// Queues the start of `spec`'s worker; resolves to what [`spawn`] returned.
@@ -237,9 +236,9 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     let (pid, pidfd, in_flight) = match cloned {
         Some(started) => (started.pidfd.pid(), Ok(started.pidfd), started.in_flight),
         None => {
-            let child = std_command(spec, program, args, found.as_deref(), own_path, log)?
-                .spawn()
-                .map_err(|e| failed(&e))?;
+            let mut cmd = std_command(spec, program, args, found.as_deref(), own_path, log)?;
+            // From a batched spawner the worker would inherit SCHED_BATCH (see process::sched).
+            let child = process::sched::normal_while(|| cmd.spawn()).map_err(|e| failed(&e))?;
             let pid = child.id() as i32;
             // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle.
             drop(child);
@@ -938,7 +937,7 @@ mod tests {
     #[test]
     fn a_spawner_delivers_a_started_registered_child() {
         let dir = tempfile::tempdir().unwrap();
-        let spawner = Spawner::start(1).unwrap();
+        let spawner = Spawner::start(1, Scheduling::Normal).unwrap();
         let child = futures::executor::block_on(spawner.submit(spec(dir.path(), &["true"])))
             .expect("spawned");
         assert!(process::owned::is_registered(child.pid));

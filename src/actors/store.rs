@@ -19,6 +19,7 @@ use actix::prelude::*;
 use tokio::sync::{broadcast, oneshot};
 
 use crate::board::{self, Board, BoardError, Event, EventId, Millis, OpenOptions, Tx, now_millis};
+use crate::config::Scheduling;
 
 /// Most ops committed in one transaction; bounds the latency of the first op in a burst.
 const MAX_BATCH: usize = 1024;
@@ -289,9 +290,14 @@ impl EventFeed {
 }
 
 impl StoreActor {
-    /// Opens the board at `path` on a new writer thread and starts the actor in the current
-    /// actix system. Fails (without starting anything) if the board cannot be opened.
-    pub fn start_on(path: PathBuf, opts: OpenOptions) -> Result<Store, BoardError> {
+    /// Opens the board at `path` on a new writer thread (under `scheduling`) and starts the
+    /// actor in the current actix system. Fails (without starting anything) if the board
+    /// cannot be opened.
+    pub fn start_on(
+        path: PathBuf,
+        opts: OpenOptions,
+        scheduling: Scheduling,
+    ) -> Result<Store, BoardError> {
         let mut board = Board::open_with(&path, opts)?;
         let watermark = board.read(|tx| tx.last_event_id())?;
         let readers = (0..READERS)
@@ -311,10 +317,10 @@ impl StoreActor {
         let feed = events.clone();
         let stats = Arc::new(Counters::default());
         let counters = stats.clone();
-        let writer = thread::Builder::new()
-            .name("runwarden-store".into())
-            .spawn(move || writer_loop(board, jobs_rx, feed, watermark, &counters))
-            .map_err(|e| BoardError::Invalid(format!("cannot start the store thread: {e}")))?;
+        let writer = super::spawn_thread("runwarden-store".into(), scheduling, move || {
+            writer_loop(board, jobs_rx, feed, watermark, &counters)
+        })
+        .map_err(|e| BoardError::Invalid(format!("cannot start the store thread: {e}")))?;
         let addr = StoreActor {
             jobs: jobs_tx.clone(),
             writer: Some(writer),

@@ -122,6 +122,8 @@ pub struct SupervisorConfig {
     /// guarantee for descendants that leave their worker's process group). The process is
     /// put back as it was once the last supervisor that made it a subreaper has stopped.
     pub subreaper: bool,
+    /// The kernel policy of the supervisor's own threads (store, actors, spawners).
+    pub scheduling: Scheduling,
 }
 
 impl Default for SupervisorConfig {
@@ -135,6 +137,7 @@ impl Default for SupervisorConfig {
             synchronous: Synchronous::Full,
             log_max_bytes: 10 * 1024 * 1024,
             subreaper: true,
+            scheduling: Scheduling::Batch,
         }
     }
 }
@@ -169,6 +172,20 @@ impl Synchronous {
             Synchronous::Normal => "NORMAL",
         }
     }
+}
+
+/// How the supervisor's own threads are scheduled (see `process::sched`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheduling {
+    /// `SCHED_BATCH`: a supervisor thread that wakes up does not preempt the running thread
+    /// (same nice value, same share of the CPU): fewer context switches, less CPU per run. A
+    /// thread a host put under another policy than the normal one keeps it. Workers and hooks
+    /// start under the normal policy.
+    #[default]
+    Batch,
+    /// The policy the threads were started with, untouched.
+    Normal,
 }
 
 /// `[reaper]`.

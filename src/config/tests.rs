@@ -39,6 +39,7 @@ fn empty_file_has_every_default() {
     assert_eq!(s.max_in_progress, 8);
     assert_eq!(s.shutdown, ShutdownMode::Leave);
     assert_eq!(s.synchronous, Synchronous::Full);
+    assert_eq!(s.scheduling, Scheduling::Batch);
     assert_eq!(s.log_max_bytes, 10 * 1024 * 1024);
     assert_eq!(c.reaper.grace, Duration::from_secs(120));
     assert_eq!(c.reaper.kill_timeout, Duration::from_secs(5));
@@ -219,6 +220,7 @@ fn enums_parse_lowercase() {
         [supervisor]
         shutdown = "terminate"
         synchronous = "normal"
+        scheduling = "normal"
         [assignees.a]
         command = ["true"]
         on_exit_zero = "crash"
@@ -231,6 +233,7 @@ fn enums_parse_lowercase() {
     assert_eq!(c.supervisor.synchronous, Synchronous::Normal);
     assert_eq!(c.supervisor.synchronous.as_pragma(), "NORMAL");
     assert_eq!(Synchronous::Full.as_pragma(), "FULL");
+    assert_eq!(c.supervisor.scheduling, Scheduling::Normal);
     assert_eq!(c.assignees["a"].on_exit_zero, OnExitZero::Crash);
     assert_eq!(c.assignees["b"].on_exit_zero, OnExitZero::Complete);
     assert_eq!(

@@ -18,7 +18,8 @@
 //! three descriptors given as stdin/stdout/stderr (every other descriptor closed, not only
 //! the close-on-exec ones: one the supervisor inherited is not the worker's), the working
 //! directory, SIGPIPE back to its default (the Rust runtime ignores it, and ignored signals
-//! survive exec), an empty signal mask, then `execve`. It shares the parent's memory until
+//! survive exec), an empty signal mask, the normal scheduling policy when its starter runs
+//! batched (see [`super::sched`]), then `execve`. It shares the parent's memory until
 //! then, so it only makes system calls (no allocation, no lock); a failing step's errno is
 //! left in memory shared with the parent and the child exits 127, to be reaped here.
 //!
@@ -68,13 +69,24 @@ struct ChildArgs {
     /// Become stdin, stdout and stderr; each is 3 or above (see [`spawn_leader`]).
     stdio: [c_int; 3],
     empty_mask: libc::sigset_t,
+    /// The starting thread is batched by [`super::sched`]: the child takes the normal
+    /// scheduling policy back (it inherited `SCHED_BATCH`).
+    normal_policy: bool,
     /// Written by a failing child: which step (an index into [`STEPS`]) and its errno.
     failed_step: c_int,
     errno: c_int,
 }
 
 /// The child's steps, by the index it reports.
-const STEPS: [&str; 6] = ["", "setpgid", "dup2", "chdir", "reset signals", "execve"];
+const STEPS: [&str; 7] = [
+    "",
+    "setpgid",
+    "dup2",
+    "chdir",
+    "reset signals",
+    "execve",
+    "reset the scheduling policy",
+];
 
 /// A child [`spawn_leader`] started: its pidfd, and its pid's claim in
 /// [`super::owned::in_flight`] (if one was free), to be dropped once the pid is registered.
@@ -136,6 +148,7 @@ pub fn spawn_leader(
         cwd: cwd.as_ptr(),
         stdio: fds,
         empty_mask,
+        normal_policy: super::sched::batched_here(),
         failed_step: 0,
         errno: 0,
     };
@@ -385,6 +398,14 @@ unsafe extern "C" fn child_main(args: *mut ChildArgs) -> ! {
                     != 0
             {
                 4
+            } else if (*args).normal_policy
+                && libc::sched_setscheduler(
+                    0,
+                    libc::SCHED_OTHER,
+                    &libc::sched_param { sched_priority: 0 },
+                ) != 0
+            {
+                6
             } else {
                 libc::execve((*args).path, (*args).argv, (*args).envp);
                 5

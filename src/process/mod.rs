@@ -24,7 +24,8 @@
 //! verdicts and scans process groups; `pidfd` wraps the pidfd syscalls and the
 //! open-then-verify step; `signal` holds the signaller and the terminate sequences;
 //! `subreaper` adopts and reaps orphans; `descendants` finds what escaped a worker's group;
-//! `owned` tracks the children whose owners reap them.
+//! `owned` tracks the children whose owners reap them; `sched` sets the scheduling policy of
+//! the supervisor's own threads.
 
 pub mod clone_exec;
 pub mod descendants;
@@ -33,6 +34,7 @@ mod group_fallback;
 mod liveness;
 pub mod owned;
 mod pidfd;
+pub mod sched;
 mod signal;
 mod stat;
 mod subreaper;

@@ -1,0 +1,177 @@
+//! `supervisor.scheduling`: under "batch" (the default) the supervisor's own threads — the
+//! actor thread, the store's writer, the spawners — run under SCHED_BATCH and its workers under
+//! the normal policy; under "normal" nothing is changed. Read from /proc, on a real `serve`
+//! process and on a library supervisor.
+
+#[allow(dead_code)]
+mod common;
+
+use std::fs;
+use std::path::Path;
+
+use common::proc_guard::wait_until;
+use common::runtime::{
+    SETTLE, Serve, TestDir, add_to_board, lib_config, wait_worker, wait_worker_in_board,
+};
+use runwarden::Supervisor;
+use runwarden::board::NewTask;
+use runwarden::config::AssigneeConfig;
+use runwarden::process::{Pid, Signal};
+
+const SCHED_OTHER: u32 = libc::SCHED_OTHER as u32;
+const SCHED_BATCH: u32 = libc::SCHED_BATCH as u32;
+
+/// The scheduling policy in a `/proc/.../stat` file (field 41).
+fn policy_in(stat_path: &Path) -> Option<u32> {
+    let stat = fs::read_to_string(stat_path).ok()?;
+    let after_comm = &stat[stat.rfind(')')? + 2..];
+    // Field 3 (state) is the first one after the comm.
+    after_comm.split(' ').nth(41 - 3)?.parse().ok()
+}
+
+/// Every thread of `pid`: (tid, comm, policy).
+fn threads_of(pid: &str) -> Vec<(String, String, u32)> {
+    let dir = Path::new("/proc").join(pid).join("task");
+    fs::read_dir(&dir)
+        .expect("list the threads")
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let tid = path.file_name()?.to_string_lossy().into_owned();
+            let comm = fs::read_to_string(path.join("comm")).ok()?;
+            Some((tid, comm.trim().to_string(), policy_in(&path.join("stat"))?))
+        })
+        .collect()
+}
+
+fn policy_of_process(pid: Pid) -> u32 {
+    policy_in(&Path::new("/proc").join(pid.to_string()).join("stat"))
+        .unwrap_or_else(|| panic!("cannot read the policy of {pid}"))
+}
+
+/// The policies of `pid`'s threads whose name starts with `prefix`; fails if there are none.
+fn policies(threads: &[(String, String, u32)], prefix: &str) -> Vec<u32> {
+    let found: Vec<u32> = threads
+        .iter()
+        .filter(|(_, comm, _)| comm.starts_with(prefix))
+        .map(|(_, _, policy)| *policy)
+        .collect();
+    assert!(!found.is_empty(), "no thread named {prefix}*: {threads:?}");
+    found
+}
+
+/// What `serve` ran: its threads, and the policies of a worker and of a hook.
+struct Seen {
+    pid: String,
+    threads: Vec<(String, String, u32)>,
+    worker: u32,
+    hook: u32,
+}
+
+/// Starts `serve` with `supervisor_keys`, a `sleep` worker and a hook on its claim, and reads
+/// the policies of the serve process's threads, the worker and the hook.
+fn serve_policies(supervisor_keys: &str) -> Seen {
+    let td = TestDir::new();
+    let hook_stat = td.path().join("hook.stat");
+    let config = td.write_config(
+        &format!("tick = \"100ms\"\nshutdown = \"terminate\"\n{supervisor_keys}"),
+        &format!(
+            "[assignees.sleeper]\ncommand = [\"sleep\", \"300\"]\n\n\
+             [[hooks]]\non = [\"claimed\"]\ncommand = [\"sh\", \"-c\", {:?}]\n",
+            format!(
+                "cat /proc/$$/stat > {}.new && mv {0}.new {0}",
+                hook_stat.display()
+            )
+        ),
+    );
+    let db = td.db_path();
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &db);
+    let id = add_to_board(&db, "sleeper");
+    let (worker, _) = wait_worker_in_board(&db, id);
+    let pid = serve.pid().to_string();
+    // The store and spawner threads exist once a worker has been started.
+    let threads = threads_of(&pid);
+    let worker = policy_of_process(worker);
+    assert!(
+        wait_until(SETTLE, || hook_stat.exists()),
+        "the hook did not run; serve's stderr:\n{}",
+        serve.stderr()
+    );
+    let hook = policy_in(&hook_stat).expect("the hook's policy");
+    serve.stop_cleanly(Signal::SIGTERM);
+    Seen {
+        pid,
+        threads,
+        worker,
+        hook,
+    }
+}
+
+#[test]
+fn serve_runs_its_threads_under_sched_batch_and_its_workers_and_hooks_normally() {
+    let Seen {
+        pid,
+        threads,
+        worker,
+        hook,
+    } = serve_policies("");
+    let main = threads
+        .iter()
+        .find(|(tid, _, _)| *tid == pid)
+        .expect("the main thread");
+    assert_eq!(main.2, SCHED_BATCH, "the actor (main) thread: {threads:?}");
+    assert_eq!(policies(&threads, "runwarden-store"), [SCHED_BATCH]);
+    let spawners = policies(&threads, "runwarden-spawn");
+    assert!(
+        spawners.iter().all(|p| *p == SCHED_BATCH),
+        "spawners: {threads:?}"
+    );
+    assert_eq!(
+        worker, SCHED_OTHER,
+        "a worker starts under the normal policy"
+    );
+    assert_eq!(hook, SCHED_OTHER, "a hook starts under the normal policy");
+}
+
+#[test]
+fn scheduling_normal_leaves_every_thread_alone() {
+    let seen = serve_policies("scheduling = \"normal\"");
+    assert!(
+        seen.threads.iter().all(|(_, _, p)| *p == SCHED_OTHER),
+        "{:?}",
+        seen.threads
+    );
+    assert_eq!(seen.worker, SCHED_OTHER);
+    assert_eq!(seen.hook, SCHED_OTHER);
+}
+
+#[test]
+fn an_embedded_supervisor_batches_only_its_own_threads() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config
+        .assignees
+        .insert("sleeper".into(), AssigneeConfig::new(["sleep", "300"]));
+    let sup = Supervisor::start(config).expect("start the supervisor");
+    let id = sup
+        .add_task(NewTask::titled("sleep").for_assignee("sleeper"))
+        .expect("add task")
+        .id;
+    let (worker, _) = wait_worker(&sup, id);
+    let threads = threads_of("self");
+    // "runwarden-supervisor", cut to the 15 bytes a thread name keeps.
+    assert_eq!(policies(&threads, "runwarden-super"), [SCHED_BATCH]);
+    assert_eq!(policies(&threads, "runwarden-store"), [SCHED_BATCH]);
+    assert!(
+        policies(&threads, "runwarden-spawn")
+            .iter()
+            .all(|p| *p == SCHED_BATCH),
+        "{threads:?}"
+    );
+    // The host's own threads (this test's, the harness's) are not touched.
+    let me = unsafe { libc::gettid() }.to_string();
+    let mine = threads.iter().find(|(tid, _, _)| *tid == me).expect("me");
+    assert_eq!(mine.2, SCHED_OTHER, "{threads:?}");
+    assert_eq!(policy_of_process(worker), SCHED_OTHER);
+    sup.shutdown();
+}
