@@ -32,7 +32,7 @@ fn binary_for_nobody() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     chmod(dir.path(), 0o755);
     let path = dir.path().join("runwarden");
-    std::fs::copy(bin(), &path).unwrap();
+    common::copy_executable(Path::new(bin()), &path);
     chmod(&path, 0o755);
     (dir, path)
 }

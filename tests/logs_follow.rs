@@ -105,7 +105,7 @@ fn following_through_the_socket_starts_over_after_a_rotation_too() {
     let bin_dir = tempfile::tempdir().unwrap();
     fs::set_permissions(bin_dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
     let binary = bin_dir.path().join("runwarden");
-    fs::copy(bin(), &binary).unwrap();
+    common::copy_executable(Path::new(bin()), &binary);
     let log = d.data_dir.join("logs").join("5.log");
     append(&log, "old-1\nold-2\n");
 

@@ -141,7 +141,10 @@ fn a_worker_running_as_nobody_reports_its_own_run_and_nothing_else() {
     // The CLI where nobody can run it, whatever the permissions of the build directory.
     let bin = td.path().join("bin");
     fs::create_dir(&bin).unwrap();
-    fs::copy(common::lifecycle::RUNWARDEN, bin.join("runwarden")).unwrap();
+    common::copy_executable(
+        std::path::Path::new(common::lifecycle::RUNWARDEN),
+        &bin.join("runwarden"),
+    );
     fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
     let path = format!("{}:/usr/bin:/bin", bin.display());
     let (log, _) = run_one(
