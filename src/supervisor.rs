@@ -245,7 +245,8 @@ async fn stop(services: &Services) {
 /// on a runtime — actix panics starting a runtime inside another. [`Supervisor::start`] runs
 /// it on a thread of its own. Under `supervisor.scheduling = "batch"` (the default) the
 /// calling thread runs under `SCHED_BATCH` until `run` returns, if it was under the normal
-/// policy (see [`crate::process::sched`]).
+/// policy (see [`crate::process::sched`]); `ready` and `shutdown` run on it, so a process they
+/// start inherits that policy.
 pub fn run<F, Fut>(config: Config, ready: F, shutdown: Fut) -> Result<(), SupervisorError>
 where
     F: FnOnce(&Services) + 'static,

@@ -109,6 +109,12 @@ fn serve_policies(supervisor_keys: &str) -> Seen {
 
 #[test]
 fn serve_runs_its_threads_under_sched_batch_and_its_workers_and_hooks_normally() {
+    // The supervisor's threads are moved from the normal policy only.
+    assert_eq!(
+        own_policy(),
+        SCHED_OTHER,
+        "the harness runs under the normal policy"
+    );
     let Seen {
         pid,
         threads,
@@ -135,20 +141,65 @@ fn serve_runs_its_threads_under_sched_batch_and_its_workers_and_hooks_normally()
 
 #[test]
 fn scheduling_normal_leaves_every_thread_alone() {
+    // Whatever the harness runs under, serve and what it starts inherit.
+    let harness = own_policy();
     let seen = serve_policies("scheduling = \"normal\"");
     assert!(
-        seen.threads.iter().all(|(_, _, p)| *p == SCHED_OTHER),
+        seen.threads.iter().all(|(_, _, p)| *p == harness),
         "{:?}",
         seen.threads
     );
-    assert_eq!(seen.worker, SCHED_OTHER);
-    assert_eq!(seen.hook, SCHED_OTHER);
+    assert_eq!(seen.worker, harness);
+    assert_eq!(seen.hook, harness);
+}
+
+/// This thread's policy.
+fn own_policy() -> u32 {
+    // SAFETY: gettid takes no arguments.
+    let tid = unsafe { libc::gettid() };
+    policy_in(
+        &Path::new("/proc/self/task")
+            .join(tid.to_string())
+            .join("stat"),
+    )
+    .expect("own policy")
 }
 
 #[test]
-fn an_embedded_supervisor_batches_only_its_own_threads() {
+fn run_batches_its_calling_thread_until_it_returns() {
     let td = TestDir::new();
     let mut config = lib_config(&td);
+    // No subreaper in this test process: it would reap other tests' serve children.
+    config.supervisor.subreaper = false;
+    let during = std::thread::spawn(move || {
+        assert_eq!(
+            own_policy(),
+            SCHED_OTHER,
+            "a host thread under the normal policy"
+        );
+        let during = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(u32::MAX));
+        let seen = during.clone();
+        // Stops as soon as it is up.
+        runwarden::supervisor::run(
+            config,
+            move |_| seen.store(own_policy(), std::sync::atomic::Ordering::SeqCst),
+            async {},
+        )
+        .expect("run");
+        assert_eq!(own_policy(), SCHED_OTHER, "put back when run returned");
+        during.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .join()
+    .expect("the host thread");
+    assert_eq!(during, SCHED_BATCH, "while it ran");
+}
+
+#[test]
+fn an_embedded_supervisors_threads_are_batched_and_its_workers_are_not() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    // No subreaper in this test process: it would reap other tests' serve children.
+    config.supervisor.subreaper = false;
     config
         .assignees
         .insert("sleeper".into(), AssigneeConfig::new(["sleep", "300"]));
@@ -159,19 +210,68 @@ fn an_embedded_supervisor_batches_only_its_own_threads() {
         .id;
     let (worker, _) = wait_worker(&sup, id);
     let threads = threads_of("self");
-    // "runwarden-supervisor", cut to the 15 bytes a thread name keeps.
-    assert_eq!(policies(&threads, "runwarden-super"), [SCHED_BATCH]);
-    assert_eq!(policies(&threads, "runwarden-store"), [SCHED_BATCH]);
-    assert!(
-        policies(&threads, "runwarden-spawn")
-            .iter()
-            .all(|p| *p == SCHED_BATCH),
-        "{threads:?}"
-    );
-    // The host's own threads (this test's, the harness's) are not touched.
-    let me = unsafe { libc::gettid() }.to_string();
-    let mine = threads.iter().find(|(tid, _, _)| *tid == me).expect("me");
-    assert_eq!(mine.2, SCHED_OTHER, "{threads:?}");
+    // "runwarden-supervisor", cut to the 15 bytes a thread name keeps. (Another test of this
+    // file may be running a supervisor in this process too: all of them are checked.)
+    for name in ["runwarden-super", "runwarden-store", "runwarden-spawn"] {
+        assert!(
+            policies(&threads, name).iter().all(|p| *p == SCHED_BATCH),
+            "{name}: {threads:?}"
+        );
+    }
     assert_eq!(policy_of_process(worker), SCHED_OTHER);
     sup.shutdown();
+}
+
+/// What `chrt -a -i -p 0 <pid>` does: every thread of `pid` to SCHED_IDLE.
+fn all_threads_to_idle(pid: &str) {
+    let param = libc::sched_param { sched_priority: 0 };
+    for (tid, _, _) in threads_of(pid) {
+        let tid: libc::pid_t = tid.parse().expect("numeric tid");
+        // SAFETY: a valid sched_param; a thread that has just exited fails harmlessly.
+        unsafe { libc::sched_setscheduler(tid, libc::SCHED_IDLE, &param) };
+    }
+}
+
+#[test]
+fn a_policy_an_operator_sets_on_a_running_serve_is_kept_and_inherited() {
+    let td = TestDir::new();
+    let config = td.write_config(
+        "tick = \"100ms\"\nshutdown = \"terminate\"",
+        // One worker started by clone3, one through std (a umask to set).
+        "[assignees.cloned]\ncommand = [\"sleep\", \"300\"]\n\n\
+         [assignees.forked]\ncommand = [\"sleep\", \"300\"]\numask = \"022\"\n",
+    );
+    let db = td.db_path();
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &db);
+    let pid = serve.pid().to_string();
+    assert!(
+        wait_until(SETTLE, || {
+            let threads = threads_of(&pid);
+            ["runwarden-store", "runwarden-spawn"]
+                .iter()
+                .all(|name| threads.iter().any(|(_, comm, _)| comm.starts_with(name)))
+        }),
+        "serve's threads: {:?}",
+        threads_of(&pid)
+    );
+    all_threads_to_idle(&pid);
+    let idle = libc::SCHED_IDLE as u32;
+
+    let cloned = add_to_board(&db, "cloned");
+    let forked = add_to_board(&db, "forked");
+    let (cloned, _) = wait_worker_in_board(&db, cloned);
+    let (forked, _) = wait_worker_in_board(&db, forked);
+    assert_eq!(
+        policy_of_process(cloned),
+        idle,
+        "a clone3 start inherits it"
+    );
+    assert_eq!(policy_of_process(forked), idle, "a std start inherits it");
+    let threads = threads_of(&pid);
+    assert!(
+        threads.iter().all(|(_, _, p)| *p == idle),
+        "no thread was batched again: {threads:?}"
+    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }

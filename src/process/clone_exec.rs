@@ -70,7 +70,7 @@ struct ChildArgs {
     stdio: [c_int; 3],
     empty_mask: libc::sigset_t,
     /// The starting thread is batched by [`super::sched`]: the child takes the normal
-    /// scheduling policy back (it inherited `SCHED_BATCH`).
+    /// scheduling policy back if it inherited `SCHED_BATCH`.
     normal_policy: bool,
     /// Written by a failing child: which step (an index into [`STEPS`]) and its errno.
     failed_step: c_int,
@@ -78,15 +78,7 @@ struct ChildArgs {
 }
 
 /// The child's steps, by the index it reports.
-const STEPS: [&str; 7] = [
-    "",
-    "setpgid",
-    "dup2",
-    "chdir",
-    "reset signals",
-    "execve",
-    "reset the scheduling policy",
-];
+const STEPS: [&str; 6] = ["", "setpgid", "dup2", "chdir", "reset signals", "execve"];
 
 /// A child [`spawn_leader`] started: its pidfd, and its pid's claim in
 /// [`super::owned::in_flight`] (if one was free), to be dropped once the pid is registered.
@@ -398,15 +390,19 @@ unsafe extern "C" fn child_main(args: *mut ChildArgs) -> ! {
                     != 0
             {
                 4
-            } else if (*args).normal_policy
-                && libc::sched_setscheduler(
-                    0,
-                    libc::SCHED_OTHER,
-                    &libc::sched_param { sched_priority: 0 },
-                ) != 0
-            {
-                6
             } else {
+                // Back to the normal policy if SCHED_BATCH is what it inherited from its
+                // batched starter (not a policy someone set on that thread since). Best
+                // effort, as for a std start: a worker that cannot leave it still runs.
+                if (*args).normal_policy
+                    && libc::sched_getscheduler(0) & !libc::SCHED_RESET_ON_FORK == libc::SCHED_BATCH
+                {
+                    libc::sched_setscheduler(
+                        0,
+                        libc::SCHED_OTHER,
+                        &libc::sched_param { sched_priority: 0 },
+                    );
+                }
                 libc::execve((*args).path, (*args).argv, (*args).envp);
                 5
             }

@@ -16,18 +16,24 @@
 //! by the runtime's thread-start hook ([`undo_inherited_batch`]).
 //!
 //! Only a thread under the normal policy is moved: one a host put under a real-time, idle or
-//! batch policy keeps its own, and so do the threads and processes it starts.
+//! batch policy keeps its own, and so do the threads and processes it starts. Every change
+//! made here first reads the thread's policy from the kernel and changes it only from the
+//! policy it expects (batch back to normal, normal to batch): a policy an operator set
+//! meanwhile (`chrt -p`) is left as it is. The other threads the actor thread starts for its
+//! own work (the `/proc` scans) inherit `SCHED_BATCH`; they start no process.
 
 use std::cell::Cell;
 use std::io;
 
 thread_local! {
-    /// This thread was moved to `SCHED_BATCH` by [`batch_this_thread`] (and is still).
+    /// This thread was moved to `SCHED_BATCH` by [`batch_this_thread`] (and has not been put
+    /// back by it). The kernel has the last word: someone may have changed the policy since
+    /// (`chrt -p`), which every change made here checks first.
     static BATCHED: Cell<bool> = const { Cell::new(false) };
 }
 
 /// A thread moved to `SCHED_BATCH` by [`batch_this_thread`]; dropping it, on the same thread,
-/// puts the normal policy back.
+/// puts the normal policy back (unless someone else has changed the policy meanwhile).
 #[must_use = "dropping it puts the thread back under the normal policy"]
 pub struct Batched {
     /// `!Send`: the policy is the calling thread's, so is the restoring.
@@ -37,15 +43,9 @@ pub struct Batched {
 /// Moves the calling thread to `SCHED_BATCH`. `Ok(None)`: the thread is under another policy
 /// than the normal one and was left as it is.
 pub fn batch_this_thread() -> io::Result<Option<Batched>> {
-    // SAFETY: sched_getscheduler takes no pointer; pid 0 is the calling thread.
-    let current = unsafe { libc::sched_getscheduler(0) };
-    if current < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if current & !libc::SCHED_RESET_ON_FORK != libc::SCHED_OTHER {
+    if !from_to(libc::SCHED_OTHER, libc::SCHED_BATCH)? {
         return Ok(None);
     }
-    set(libc::SCHED_BATCH | (current & libc::SCHED_RESET_ON_FORK))?;
     BATCHED.with(|b| b.set(true));
     Ok(Some(Batched {
         _thread_bound: std::marker::PhantomData,
@@ -55,57 +55,57 @@ pub fn batch_this_thread() -> io::Result<Option<Batched>> {
 impl Drop for Batched {
     fn drop(&mut self) {
         BATCHED.with(|b| b.set(false));
-        if let Err(e) = normal() {
+        if let Err(e) = from_to(libc::SCHED_BATCH, libc::SCHED_OTHER) {
             tracing::debug!(error = %e, "cannot put the thread back under the normal policy");
         }
     }
 }
 
-/// Whether the calling thread is under `SCHED_BATCH` by [`batch_this_thread`]: a process it
-/// starts must be put back under the normal policy.
+/// Whether the calling thread was batched by [`batch_this_thread`]: what it starts inherits
+/// `SCHED_BATCH` and must be put back under the normal policy.
 pub fn batched_here() -> bool {
     BATCHED.with(|b| b.get())
 }
 
 /// Runs `f` (a start of a process) under the normal policy if the calling thread is batched
-/// ([`batched_here`]), so that what `f` starts inherits that; then batches the thread again.
+/// ([`batched_here`]) and still under `SCHED_BATCH`, so that what `f` starts inherits that;
+/// then batches the thread again. Best effort: a policy that cannot be changed is left.
 pub fn normal_while<T>(f: impl FnOnce() -> T) -> T {
     if !batched_here() {
         return f();
     }
-    let unbatched = normal();
+    let unbatched = from_to(libc::SCHED_BATCH, libc::SCHED_OTHER);
     if let Err(e) = &unbatched {
         tracing::debug!(error = %e, "cannot leave SCHED_BATCH for a start");
     }
     let result = f();
-    if unbatched.is_ok() {
-        let _ = set(libc::SCHED_BATCH | current_reset_on_fork());
+    if unbatched.is_ok_and(|changed| changed) {
+        let _ = from_to(libc::SCHED_OTHER, libc::SCHED_BATCH);
     }
     result
 }
 
 /// For a thread created by a batched thread (it inherited `SCHED_BATCH`): puts it under the
-/// normal policy its creator had before.
+/// normal policy its creator had before, unless someone has changed it meanwhile.
 pub fn undo_inherited_batch() {
-    if let Err(e) = normal() {
+    if let Err(e) = from_to(libc::SCHED_BATCH, libc::SCHED_OTHER) {
         tracing::debug!(error = %e, "cannot put a new thread under the normal policy");
     }
 }
 
-/// `SCHED_OTHER`, keeping a `SCHED_RESET_ON_FORK` flag the thread has (clearing it needs
-/// `CAP_SYS_NICE`).
-fn normal() -> io::Result<()> {
-    set(libc::SCHED_OTHER | current_reset_on_fork())
-}
-
-fn current_reset_on_fork() -> libc::c_int {
-    // SAFETY: as in `batch_this_thread`.
+/// Changes the calling thread's policy `from` → `to` if it is `from` now (keeping a
+/// `SCHED_RESET_ON_FORK` flag, which only `CAP_SYS_NICE` may clear); whether it changed it.
+fn from_to(from: libc::c_int, to: libc::c_int) -> io::Result<bool> {
+    // SAFETY: sched_getscheduler takes no pointer; pid 0 is the calling thread.
     let current = unsafe { libc::sched_getscheduler(0) };
-    if current > 0 {
-        current & libc::SCHED_RESET_ON_FORK
-    } else {
-        0
+    if current < 0 {
+        return Err(io::Error::last_os_error());
     }
+    if current & !libc::SCHED_RESET_ON_FORK != from {
+        return Ok(false);
+    }
+    set(to | (current & libc::SCHED_RESET_ON_FORK))?;
+    Ok(true)
 }
 
 fn set(policy: libc::c_int) -> io::Result<()> {
@@ -185,6 +185,28 @@ mod tests {
             drop(batched);
             assert_eq!(own_policy(), OTHER, "restored");
             assert!(!batched_here());
+        })
+        .join()
+        .expect("test thread");
+    }
+
+    #[test]
+    fn a_policy_set_from_outside_after_batching_is_kept() {
+        std::thread::spawn(|| {
+            let batched = batch_this_thread().expect("batch").expect("moved");
+            // What `chrt -i -p 0 <tid>` does to the thread.
+            set(libc::SCHED_IDLE).expect("SCHED_IDLE is open to every thread");
+            let started = child_policy(|c| normal_while(|| c.spawn().expect("spawn")));
+            assert_eq!(
+                started,
+                libc::SCHED_IDLE as u32,
+                "the operator's policy is inherited"
+            );
+            assert_eq!(own_policy(), libc::SCHED_IDLE as u32, "kept after a start");
+            undo_inherited_batch();
+            assert_eq!(own_policy(), libc::SCHED_IDLE as u32, "kept by the undo");
+            drop(batched);
+            assert_eq!(own_policy(), libc::SCHED_IDLE as u32, "kept by the drop");
         })
         .join()
         .expect("test thread");
