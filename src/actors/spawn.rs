@@ -233,8 +233,13 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         Some(Err(Start::Failed(e))) => return Err(failed(&e)),
         Some(Err(Start::Elsewise)) | None => None,
     };
-    let (pid, pidfd, in_flight) = match cloned {
-        Some(started) => (started.pidfd.pid(), Ok(started.pidfd), started.in_flight),
+    let (pid, pidfd, in_flight, start_ticks) = match cloned {
+        Some(started) => (
+            started.pidfd.pid(),
+            Ok(started.pidfd),
+            started.in_flight,
+            started.start_ticks,
+        ),
         None => {
             let mut cmd = std_command(spec, program, args, found.as_deref(), own_path, log)?;
             // From a batched spawner the worker would inherit SCHED_BATCH (see process::sched).
@@ -242,7 +247,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             let pid = child.id() as i32;
             // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle.
             drop(child);
-            (pid, PidFd::open(pid), None)
+            (pid, PidFd::open(pid), None, None)
         }
     };
     owned.register(pid);
@@ -257,7 +262,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     // child is ended now.
     let identity = pidfd
         .map_err(|e| format!("cannot open pidfd for {pid}: {e}"))
-        .and_then(|pidfd| match read_fingerprint(pid) {
+        .and_then(|pidfd| match fingerprint_of_new(pid, start_ticks) {
             Ok(fp) => Ok((pidfd, fp)),
             Err(e) => Err(format!("cannot fingerprint {pid} (/proc/{pid}/stat): {e}")),
         });
@@ -559,8 +564,12 @@ fn std_command(
     Ok(cmd)
 }
 
-/// The spawn fingerprint of a child just started; a test can make it fail on its thread.
-fn read_fingerprint(pid: i32) -> Result<Fingerprint, process::ProcessError> {
+/// The spawn fingerprint of a child just started: its start time as the clock told it at the
+/// start (`start_ticks`), else read from `/proc`. A test can make it fail on its thread.
+fn fingerprint_of_new(
+    pid: i32,
+    start_ticks: Option<u64>,
+) -> Result<Fingerprint, process::ProcessError> {
     #[cfg(test)]
     if tests::FAIL_FINGERPRINT.with(|f| f.get()) {
         return Err(process::ProcessError::System {
@@ -568,7 +577,13 @@ fn read_fingerprint(pid: i32) -> Result<Fingerprint, process::ProcessError> {
             source: std::io::Error::from_raw_os_error(libc::EMFILE),
         });
     }
-    process::fingerprint(pid)
+    match start_ticks {
+        Some(start_ticks) => Ok(Fingerprint {
+            boot_id: process::boot_id()?,
+            start_ticks,
+        }),
+        None => process::fingerprint(pid),
+    }
 }
 
 /// Where `program` is in `path` (the worker's PATH; unset means `/bin:/usr/bin`, as for
@@ -870,7 +885,7 @@ mod tests {
     use super::*;
 
     thread_local! {
-        /// Makes `read_fingerprint` fail on this thread (spawn() runs on the caller's thread).
+        /// Makes `fingerprint_of_new` fail on this thread (spawn() runs on the caller's thread).
         pub(super) static FAIL_FINGERPRINT: Cell<bool> = const { Cell::new(false) };
     }
 
@@ -944,6 +959,19 @@ mod tests {
         assert_eq!(child.fingerprint, process::fingerprint(child.pid).unwrap());
         assert!(exits_and_is_reaped(&child.pidfd));
         process::owned::unregister(child.pid);
+    }
+
+    #[test]
+    fn a_started_workers_fingerprint_is_the_one_proc_shows() {
+        let dir = tempfile::tempdir().unwrap();
+        for _ in 0..50 {
+            let child = spawn(&spec(dir.path(), &["sleep", "30"])).expect("spawned");
+            let read = process::fingerprint(child.pid);
+            let _ = child.pidfd.signal_group(process::Signal::SIGKILL);
+            assert!(exits_and_is_reaped(&child.pidfd));
+            process::owned::unregister(child.pid);
+            assert_eq!(child.fingerprint, read.expect("its /proc/<pid>/stat"));
+        }
     }
 
     #[test]

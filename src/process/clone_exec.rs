@@ -85,6 +85,9 @@ const STEPS: [&str; 6] = ["", "setpgid", "dup2", "chdir", "reset signals", "exec
 pub struct Started {
     pub pidfd: PidFd,
     pub in_flight: Option<super::owned::InFlight>,
+    /// Its start time in clock ticks, as `/proc/<pid>/stat` shows it, when the clock tells
+    /// (`fingerprint::start_ticks_between` around the clone call); `None`: read it.
+    pub start_ticks: Option<u64>,
 }
 
 /// Starts `path` (argv and envp: NULL-terminated arrays of NUL-terminated strings) in `cwd`
@@ -145,7 +148,8 @@ pub fn spawn_leader(
         errno: 0,
     };
     let in_flight = super::owned::in_flight();
-    let (pid, pidfd) = STACK.with(|cell| -> Result<(Pid, OwnedFd), CloneExecError> {
+    let before = super::fingerprint::boottime_ns();
+    let started = STACK.with(|cell| -> Result<(Pid, OwnedFd), CloneExecError> {
         let mut slot = cell.borrow_mut();
         let stack = match &mut *slot {
             Some(stack) => stack,
@@ -157,7 +161,9 @@ pub fn spawn_leader(
         // left it when it exec'd or exited); `args` and everything it points to outlive
         // the call, which returns only once the child no longer runs on our memory.
         unsafe { clone_vfork(stack, &mut args, in_flight.as_ref().map(|f| f.slot())) }
-    })?;
+    });
+    let after = super::fingerprint::boottime_ns();
+    let (pid, pidfd) = started?;
     drop(raised);
     // SAFETY: the child is done with `args` (exec'd or exited: CLONE_VFORK).
     let step = unsafe { std::ptr::read_volatile(&args.failed_step) };
@@ -177,6 +183,9 @@ pub fn spawn_leader(
     Ok(Started {
         pidfd: PidFd::from_owned(pidfd, pid),
         in_flight,
+        start_ticks: before
+            .zip(after)
+            .and_then(|(before, after)| super::fingerprint::start_ticks_between(before, after)),
     })
 }
 

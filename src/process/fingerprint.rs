@@ -42,6 +42,42 @@ pub fn boot_id() -> Result<String, ProcessError> {
     Ok(BOOT_ID.get_or_init(|| id.to_owned()).clone())
 }
 
+/// CLOCK_BOOTTIME in ns, as this process sees it: the clock the kernel stamps a new process's
+/// start with (in the parent's clone call), which `/proc/<pid>/stat` shows in clock ticks.
+pub fn boottime_ns() -> Option<u64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write to.
+    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } != 0 {
+        return None;
+    }
+    u64::try_from(ts.tv_sec)
+        .ok()?
+        .checked_mul(1_000_000_000)?
+        .checked_add(u64::try_from(ts.tv_nsec).ok()?)
+}
+
+/// The start time, in clock ticks, of a process this thread created between two readings of
+/// [`boottime_ns`] — without reading `/proc`. The kernel stamps the child in the clone call
+/// (`start_boottime`, CLOCK_BOOTTIME, on the calling thread), so the stamp lies between the
+/// readings, and `/proc/<pid>/stat` shows it as whole ticks (the same namespace offsets
+/// apply to both). When both readings fall in one tick, so does the stamp: that tick is the
+/// answer. `None` when they straddle a tick boundary (about one start in a hundred: read
+/// `/proc` then), or when a tick is not a whole number of ns.
+pub fn start_ticks_between(before_ns: u64, after_ns: u64) -> Option<u64> {
+    static NS_PER_TICK: OnceLock<Option<u64>> = OnceLock::new();
+    let ns_per_tick = (*NS_PER_TICK.get_or_init(|| {
+        // SAFETY: sysconf takes no pointer.
+        let hz = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok()?;
+        // The kernel divides by NSEC_PER_SEC / USER_HZ only when that is exact.
+        (hz > 0 && 1_000_000_000 % hz == 0).then(|| 1_000_000_000 / hz)
+    }))?;
+    let tick = before_ns / ns_per_tick;
+    (before_ns <= after_ns && after_ns / ns_per_tick == tick).then_some(tick)
+}
+
 /// The fingerprint of `pid` now: the current boot id and the process's start time.
 pub fn fingerprint(pid: Pid) -> Result<Fingerprint, ProcessError> {
     Ok(Fingerprint {
@@ -59,6 +95,47 @@ mod tests {
         let first = boot_id().unwrap();
         assert_eq!(first.len(), 36, "a UUID: {first:?}");
         assert_eq!(boot_id().unwrap(), first);
+    }
+
+    #[test]
+    fn a_start_is_known_from_the_clock_only_when_both_readings_share_a_tick() {
+        // USER_HZ is 100 on Linux: 10 ms per tick.
+        let tick = 10_000_000;
+        assert_eq!(start_ticks_between(5 * tick, 5 * tick + 1), Some(5));
+        assert_eq!(start_ticks_between(6 * tick - 1, 6 * tick - 1), Some(5));
+        assert_eq!(
+            start_ticks_between(6 * tick - 1, 6 * tick),
+            None,
+            "straddles"
+        );
+        assert_eq!(start_ticks_between(6 * tick, 5 * tick), None, "backwards");
+    }
+
+    #[test]
+    fn a_child_started_between_two_readings_has_the_start_proc_shows() {
+        // Many children, so that some start in each part of a tick; those whose readings
+        // straddle a tick are not judged.
+        let mut judged = 0;
+        for _ in 0..200 {
+            let before = boottime_ns().expect("CLOCK_BOOTTIME");
+            let mut child = std::process::Command::new("sleep")
+                .arg("30")
+                .spawn()
+                .expect("spawn sleep");
+            let after = boottime_ns().expect("CLOCK_BOOTTIME");
+            let pid = child.id() as Pid;
+            let from_proc = read_stat(pid).map(|s| s.start_ticks);
+            child.kill().expect("kill sleep");
+            child.wait().expect("reap sleep");
+            if let Some(ticks) = start_ticks_between(before, after) {
+                assert_eq!(Ok(ticks), from_proc.map_err(|e| e.to_string()));
+                judged += 1;
+            }
+        }
+        assert!(
+            judged >= 100,
+            "only {judged} of 200 starts fell within one tick"
+        );
     }
 
     #[test]
