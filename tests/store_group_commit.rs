@@ -166,12 +166,15 @@ fn a_lone_refused_op_leaves_nothing_and_the_board_stays_writable() {
 #[test]
 fn a_failed_nested_step_drops_its_events_but_not_its_ops() {
     let (mut tb, task) = board_with_task();
-    let op = move |tx: &runwarden::board::Tx<'_>| {
+    // Whether each attempt of the op saw itself void after the failed step.
+    let void = std::cell::RefCell::new(Vec::new());
+    let op = |tx: &runwarden::board::Tx<'_>| {
         let inner = tx.nested(|tx| {
             tx.append_event(Some(task), None, "inner", note(1), T)?;
             Err::<(), _>(refused())
         });
         assert!(inner.is_err());
+        void.borrow_mut().push(tx.attempt_void());
         tx.append_event(Some(task), None, "outer", note(2), T)
     };
     // Once alone (no savepoint around the op) and once beside another op (one each).
@@ -193,6 +196,8 @@ fn a_failed_nested_step_drops_its_events_but_not_its_ops() {
             &["outer", "other"]
         };
         assert_eq!(reported, expected);
+        // The first attempt (no savepoint) is void; the op-by-op one is not.
+        assert_eq!(void.take(), [true, false], "batch of {batch_len}");
     }
     assert_eq!(
         kinds(&mut tb.board, task),

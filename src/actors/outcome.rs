@@ -228,7 +228,10 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, Store
                 Some(params) => Ok(match tx.nested(|tx| claim_ready(tx, now, params)) {
                     Ok(claims) => Refill { ran: true, claims },
                     Err(e) => {
-                        tracing::warn!(error = %e, "claim on close failed; the next pass claims");
+                        // Said once: a void attempt is applied again, failing again.
+                        if !tx.attempt_void() {
+                            tracing::warn!(error = %e, "claim on close failed; the next pass claims");
+                        }
                         not_run()
                     }
                 }),

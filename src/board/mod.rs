@@ -439,6 +439,13 @@ impl<'a> Tx<'a> {
         Ok(())
     }
 
+    /// This attempt of a [`Board::write_batch`] is void (a [`Tx::nested`] step failed after
+    /// writing with no savepoint to undo it): it will be rolled back and the batch applied
+    /// again, op by op. What an op sees go wrong in it (to log, say) happens again then.
+    pub fn attempt_void(&self) -> bool {
+        self.undo_needed.get()
+    }
+
     /// Runs `f` in a nested savepoint: if it fails, only its own writes are undone and the
     /// enclosing transaction goes on (e.g. one refused claim in a dispatch pass).
     ///
