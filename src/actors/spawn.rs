@@ -264,7 +264,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         .map_err(|e| format!("cannot open pidfd for {pid}: {e}"))
         .and_then(|pidfd| match fingerprint_of_new(pid, start_ticks) {
             Ok(fp) => Ok((pidfd, fp)),
-            Err(e) => Err(format!("cannot fingerprint {pid} (/proc/{pid}/stat): {e}")),
+            Err(e) => Err(format!("cannot fingerprint {pid} ({e})")),
         });
     let (pidfd, fingerprint) = match identity {
         Ok(found) => found,
@@ -577,13 +577,7 @@ fn fingerprint_of_new(
             source: std::io::Error::from_raw_os_error(libc::EMFILE),
         });
     }
-    match start_ticks {
-        Some(start_ticks) => Ok(Fingerprint {
-            boot_id: process::boot_id()?,
-            start_ticks,
-        }),
-        None => process::fingerprint(pid),
-    }
+    process::fingerprint_of_child(pid, start_ticks)
 }
 
 /// Where `program` is in `path` (the worker's PATH; unset means `/bin:/usr/bin`, as for

@@ -504,6 +504,31 @@ mod tests {
     }
 
     #[test]
+    fn a_start_tells_its_start_time_from_the_clock_as_proc_shows_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut told, deadline) = (0, std::time::Instant::now() + Duration::from_secs(20));
+        // Under load a bracket often straddles a tick (it spans the child's exec): starts are
+        // made until 20 told their start time, or for 20 s.
+        while told < 20 && std::time::Instant::now() < deadline {
+            let started = start_child(&["/bin/sleep", "30"], &[], dir.path()).expect("started");
+            let pid = started.pidfd.pid();
+            let from_proc = crate::process::read_stat(pid).map(|s| s.start_ticks);
+            drop(started.in_flight);
+            let _ = started.pidfd.signal(crate::process::Signal::SIGKILL);
+            assert!(started.pidfd.wait_exit(Duration::from_secs(10)).unwrap());
+            assert!(matches!(started.pidfd.try_reap(), Ok(Some(_))));
+            if let Some(ticks) = started.start_ticks {
+                assert_eq!(Ok(ticks), from_proc.map_err(|e| e.to_string()), "pid {pid}");
+                told += 1;
+            }
+        }
+        assert!(
+            told >= 1,
+            "no start in 20 s told its start time from the clock"
+        );
+    }
+
+    #[test]
     fn a_failed_exec_or_chdir_names_its_step() {
         let dir = tempfile::tempdir().unwrap();
         let err = start(&["/nonexistent/program"], &[], dir.path()).unwrap_err();

@@ -43,7 +43,7 @@ mod testutil;
 
 use std::io;
 
-pub use fingerprint::{Fingerprint, boot_id, fingerprint};
+pub use fingerprint::{Fingerprint, boot_id, fingerprint, fingerprint_of_child};
 #[doc(hidden)]
 pub use group_fallback::force_group_signal_fallback;
 pub use liveness::{DeadReason, Liveness, group_alive, group_members, liveness};
