@@ -222,13 +222,23 @@ fn an_embedded_supervisors_threads_are_batched_and_its_workers_are_not() {
     sup.shutdown();
 }
 
-/// What `chrt -a -i -p 0 <pid>` does: every thread of `pid` to SCHED_IDLE.
-fn all_threads_to_idle(pid: &str) {
-    let param = libc::sched_param { sched_priority: 0 };
+/// What `chrt -a -f -p 1 <pid>` does: every thread of `pid` to SCHED_FIFO, priority 1. (A
+/// real-time policy rather than SCHED_IDLE, which would starve the supervisor, and so the
+/// test, on a loaded machine.)
+fn all_threads_to_fifo(pid: &str) {
+    let param = libc::sched_param { sched_priority: 1 };
     for (tid, _, _) in threads_of(pid) {
         let tid: libc::pid_t = tid.parse().expect("numeric tid");
-        // SAFETY: a valid sched_param; a thread that has just exited fails harmlessly.
-        unsafe { libc::sched_setscheduler(tid, libc::SCHED_IDLE, &param) };
+        // SAFETY: a valid sched_param.
+        if unsafe { libc::sched_setscheduler(tid, libc::SCHED_FIFO, &param) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // A thread that has just exited is fine; anything else means no scenario.
+            assert_eq!(
+                e.raw_os_error(),
+                Some(libc::ESRCH),
+                "chrt -f thread {tid}: {e}"
+            );
+        }
     }
 }
 
@@ -255,8 +265,8 @@ fn a_policy_an_operator_sets_on_a_running_serve_is_kept_and_inherited() {
         "serve's threads: {:?}",
         threads_of(&pid)
     );
-    all_threads_to_idle(&pid);
-    let idle = libc::SCHED_IDLE as u32;
+    all_threads_to_fifo(&pid);
+    let fifo = libc::SCHED_FIFO as u32;
 
     let cloned = add_to_board(&db, "cloned");
     let forked = add_to_board(&db, "forked");
@@ -264,13 +274,13 @@ fn a_policy_an_operator_sets_on_a_running_serve_is_kept_and_inherited() {
     let (forked, _) = wait_worker_in_board(&db, forked);
     assert_eq!(
         policy_of_process(cloned),
-        idle,
+        fifo,
         "a clone3 start inherits it"
     );
-    assert_eq!(policy_of_process(forked), idle, "a std start inherits it");
+    assert_eq!(policy_of_process(forked), fifo, "a std start inherits it");
     let threads = threads_of(&pid);
     assert!(
-        threads.iter().all(|(_, _, p)| *p == idle),
+        threads.iter().all(|(_, _, p)| *p == fifo),
         "no thread was batched again: {threads:?}"
     );
     serve.stop_cleanly(Signal::SIGTERM);
