@@ -58,14 +58,9 @@ fn a_worker_started_without_clone3_gets_the_same_start() {
     let (pid, rest) = stat.split_once(" (").expect("stat");
     let pgrp = rest.rsplit_once(") ").expect("stat").1.split(' ').nth(2);
     assert_eq!(pgrp, Some(pid), "the worker leads its own group: {stat}");
-    // Field 41 is the scheduling policy: normal (0), though its spawner runs SCHED_BATCH.
-    let policy = rest
-        .rsplit_once(") ")
-        .expect("stat")
-        .1
-        .split(' ')
-        .nth(41 - 3);
-    assert_eq!(policy, Some("0"), "the worker's scheduling policy: {stat}");
+    // The normal scheduling policy (0), though its spawner runs SCHED_BATCH.
+    let policy = runwarden::process::parse_stat(&stat).expect("stat").policy;
+    assert_eq!(policy, Some(0), "the worker's scheduling policy: {stat}");
     let log = fs::read_to_string(td.data_dir().join("logs").join(format!("{id}.log")));
     assert_eq!(log.expect("the log").trim(), "logged");
     sup.shutdown();

@@ -16,17 +16,16 @@ use common::runtime::{
 use runwarden::Supervisor;
 use runwarden::board::NewTask;
 use runwarden::config::AssigneeConfig;
-use runwarden::process::{Pid, Signal};
+use runwarden::process::{Pid, Signal, parse_stat};
 
 const SCHED_OTHER: u32 = libc::SCHED_OTHER as u32;
 const SCHED_BATCH: u32 = libc::SCHED_BATCH as u32;
 
 /// The scheduling policy in a `/proc/.../stat` file (field 41).
 fn policy_in(stat_path: &Path) -> Option<u32> {
-    let stat = fs::read_to_string(stat_path).ok()?;
-    let after_comm = &stat[stat.rfind(')')? + 2..];
-    // Field 3 (state) is the first one after the comm.
-    after_comm.split(' ').nth(41 - 3)?.parse().ok()
+    parse_stat(&fs::read_to_string(stat_path).ok()?)
+        .ok()?
+        .policy
 }
 
 /// Every thread of `pid`: (tid, comm, policy).

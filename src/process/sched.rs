@@ -55,9 +55,7 @@ pub fn batch_this_thread() -> io::Result<Option<Batched>> {
 impl Drop for Batched {
     fn drop(&mut self) {
         BATCHED.with(|b| b.set(false));
-        if let Err(e) = from_to(libc::SCHED_BATCH, libc::SCHED_OTHER) {
-            tracing::debug!(error = %e, "cannot put the thread back under the normal policy");
-        }
+        back_to_normal();
     }
 }
 
@@ -88,8 +86,13 @@ pub fn normal_while<T>(f: impl FnOnce() -> T) -> T {
 /// For a thread created by a batched thread (it inherited `SCHED_BATCH`): puts it under the
 /// normal policy its creator had before, unless someone has changed it meanwhile.
 pub fn undo_inherited_batch() {
+    back_to_normal();
+}
+
+/// `SCHED_BATCH` → `SCHED_OTHER` for the calling thread, if it is under `SCHED_BATCH`.
+fn back_to_normal() {
     if let Err(e) = from_to(libc::SCHED_BATCH, libc::SCHED_OTHER) {
-        tracing::debug!(error = %e, "cannot put a new thread under the normal policy");
+        tracing::debug!(error = %e, "cannot put the thread back under the normal policy");
     }
 }
 
@@ -125,17 +128,11 @@ mod tests {
     use super::*;
     use std::process::{Command, Stdio};
 
-    /// The policy in a `/proc/.../stat` file (field 41).
+    /// The policy in a `/proc/.../stat` file.
     fn policy_in(path: &str) -> u32 {
         let stat = std::fs::read_to_string(path).expect("read stat");
-        let after_comm = &stat[stat.rfind(')').expect("comm") + 2..];
-        // Field 3 (state) is the first one after the comm.
-        after_comm
-            .split(' ')
-            .nth(41 - 3)
-            .expect("policy field")
-            .parse()
-            .expect("numeric policy")
+        let parsed = crate::process::parse_stat(&stat).expect("parse stat");
+        parsed.policy.expect("policy field")
     }
 
     fn own_policy() -> u32 {

@@ -29,6 +29,8 @@ pub struct ProcStat {
     /// Field 22: start time after boot, in clock ticks. Together with the boot id it names one
     /// process for the life of the machine, which a pid alone does not.
     pub start_ticks: u64,
+    /// Field 41: the scheduling policy (`SCHED_*`), when the line has it.
+    pub policy: Option<u32>,
 }
 
 impl ProcStat {
@@ -52,6 +54,7 @@ const PGRP: usize = 2;
 const SESSION: usize = 3;
 const FLAGS: usize = 9 - 3;
 const STARTTIME: usize = 22 - 3;
+const POLICY: usize = 41 - 3;
 
 /// Parses one `/proc/<pid>/stat` line.
 pub fn parse_stat(text: &str) -> Result<ProcStat, ProcessError> {
@@ -91,6 +94,11 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, ProcessError> {
         session: parse_num(fields[SESSION], "session").map_err(bad)?,
         flags: parse_num(fields[FLAGS], "flags").map_err(bad)?,
         start_ticks: parse_num(fields[STARTTIME], "starttime").map_err(bad)?,
+        policy: fields
+            .get(POLICY)
+            .map(|f| parse_num(f, "policy"))
+            .transpose()
+            .map_err(bad)?,
     })
 }
 
@@ -188,6 +196,7 @@ mod tests {
             session: 4100,
             flags: 4194304,
             start_ticks: 987654,
+            policy: Some(0),
         }
     }
 
