@@ -187,6 +187,9 @@ pub struct ExitContext {
     pub terminated: Option<TerminateReason>,
     /// A previous incarnation's worker (not our child: its status is not ours to read).
     pub adopted: bool,
+    /// The run row already holds the pid and fingerprint (their commit has been answered), so
+    /// the exit's transaction skips writing them (a no-op update, once per lifecycle).
+    pub evidence_on_row: bool,
     /// The leader's group (or descendants) still run: keep the evidence until they are ended.
     pub group_alive: bool,
     pub log_path: PathBuf,
@@ -245,7 +248,9 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, Store
 fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: &str, now: Millis) -> board::Result<()> {
     // If the exit overtook the spawn evidence's own commit, the evidence is written here, so
     // the history keeps the pid (the later set_worker is then refused as a duplicate).
-    tx.set_worker_if_unset(cx.run_id, cx.pid, cx.fingerprint.as_ref(), now)?;
+    if !cx.evidence_on_row {
+        tx.set_worker_if_unset(cx.run_id, cx.pid, cx.fingerprint.as_ref(), now)?;
+    }
     let run = tx.record_worker_exit(cx.run_id, cx.exit, cx.group_alive, now)?;
     if cx.terminated == Some(TerminateReason::TerminalReap) {
         let ended_by = if cx.exit.signal == Some(libc::SIGKILL) {

@@ -134,6 +134,9 @@ pub struct WorkerActor {
     adopted_started_at: Option<board::Millis>,
     /// The exit has been handed to the store (a late `set_worker` failure is then expected).
     exit_recorded: bool,
+    /// The run row holds this worker's pid and fingerprint (the spawn's `set_worker`
+    /// committed, or an adopted worker's row had them): its exit need not write them again.
+    evidence_on_row: bool,
     /// Claim the next task in the transaction that records this worker's exit.
     claim_on_close: Option<ClaimParams>,
     /// That claim ran (without error) and nothing changed after it: see WorkerFinished.
@@ -194,6 +197,7 @@ impl WorkerActor {
             finished: false,
             adopted_started_at: None,
             exit_recorded: false,
+            evidence_on_row: false,
             claim_on_close: None,
             refilled: false,
             pid_released: false,
@@ -223,6 +227,7 @@ impl WorkerActor {
         w.pidfd = Some(Arc::new(pidfd));
         w.fingerprint = Some(fingerprint);
         w.adopted_started_at = Some(run_started_at);
+        w.evidence_on_row = true;
         w
     }
 
@@ -421,6 +426,7 @@ impl WorkerActor {
             fingerprint: self.fingerprint.clone(),
             terminated: self.terminating,
             adopted: self.adopted_started_at.is_some(),
+            evidence_on_row: self.evidence_on_row,
             group_alive: tree_alive,
             log_path: self.spec.log_path.clone(),
             policy: self.policy.clone(),
@@ -613,19 +619,22 @@ impl WorkerActor {
         }
         .into_actor(self)
         .map(move |res, act, ctx| match res {
-            Ok(None) => {}
+            Ok(None) => act.evidence_on_row = true,
             // The run closed before its evidence landed: archived or reclaimed between claim
             // and spawn (end it now), or a fast report (end it after the grace, if alive).
             // The reaper drives the end (one kill, one record), with the grace it is due —
             // through this actor, which owns the child.
-            Ok(Some((outcome, ended_at))) => act.dispatcher.do_send(super::dispatcher::EvidenceAfterClose {
-                run_id: act.run_id(),
-                task_id: act.task_id(),
-                pid,
-                fingerprint: act.fingerprint.clone(),
-                outcome,
-                ended_at,
-            }),
+            Ok(Some((outcome, ended_at))) => {
+                act.evidence_on_row = true;
+                act.dispatcher.do_send(super::dispatcher::EvidenceAfterClose {
+                    run_id: act.run_id(),
+                    task_id: act.task_id(),
+                    pid,
+                    fingerprint: act.fingerprint.clone(),
+                    outcome,
+                    ended_at,
+                })
+            }
             Err(e) if !act.exit_recorded => {
                 // Not recorded means not reachable after a restart: do not keep it running.
                 tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record pid; ending it");
