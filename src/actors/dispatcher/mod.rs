@@ -33,6 +33,12 @@ const QUIET_KINDS: &[&str] = &[
     "pruned",
 ];
 
+/// Whether `on_event` does anything for an event of `kind`: a quiet kind is only looked at
+/// when it is a worker's exit (which marks the run's later events as the exit's own).
+fn reacts_to(kind: &str) -> bool {
+    kind == "worker_exited" || !QUIET_KINDS.contains(&kind)
+}
+
 /// How often the tick re-runs the promotion safety net (see `tick`).
 const PROMOTE_SWEEP_EVERY: Duration = Duration::from_secs(60);
 
@@ -636,7 +642,11 @@ impl Actor for DispatcherActor {
         let (me, lagging) = (ctx.address(), ctx.address());
         self.store.forward_events(
             move |ev| {
-                me.do_send(BoardEvent(ev));
+                // Most of a lifecycle's events need nothing of the dispatcher: they are not
+                // queued on its mailbox at all.
+                if reacts_to(&ev.kind) {
+                    me.do_send(BoardEvent(ev));
+                }
                 me.connected()
             },
             // Lagging only loses wake-ups, which the next pass covers.
