@@ -198,8 +198,10 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     .start();
     let spawner = Spawner::for_this_machine(config.supervisor.scheduling)
         .map_err(|e| SupervisorError::Runtime(format!("cannot start the spawner threads: {e}")))?;
-    let dispatcher =
-        DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner).start();
+    let (reconciled, first_reconcile) = tokio::sync::oneshot::channel();
+    let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner)
+        .tell_first_reconcile(reconciled)
+        .start();
     let hooks = HooksStop::default();
     if !config.hooks.is_empty() {
         HookActor::new(config.hooks.clone(), store.clone(), hooks.clone()).start();
@@ -217,7 +219,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         started_at: Instant::now(),
     };
     let control = socket
-        .serve(services.clone())
+        .serve(services.clone(), first_reconcile)
         .map_err(|e| SupervisorError::Runtime(e.to_string()))?;
     Ok(Booted {
         services,

@@ -29,6 +29,9 @@ const REFUSAL_WRITE: Duration = Duration::from_secs(1);
 const STOP_DRAIN: Duration = Duration::from_secs(2);
 /// Pause after a failed accept (e.g. out of file descriptors) so the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// The longest the socket waits for the first reconcile before it accepts anyway (a /proc
+/// probe stuck on a hung file system must not keep every client out).
+const FIRST_RECONCILE_WAIT: Duration = Duration::from_secs(5);
 
 /// Why the control server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -129,7 +132,16 @@ pub struct BoundSocket {
 
 impl BoundSocket {
     /// Starts serving with `services`. Must be called inside the supervisor's actix system.
-    pub fn serve(mut self, services: Services) -> Result<ControlServer, ControlError> {
+    ///
+    /// Connections are accepted once `reconciled` is told (or dropped), or after
+    /// [`FIRST_RECONCILE_WAIT`]: a restarted supervisor first takes over the workers of the
+    /// previous one, so a report that was waiting for it lands on an adopted run, never ahead
+    /// of the adoption. Until then clients wait in the listen queue.
+    pub fn serve(
+        mut self,
+        services: Services,
+        reconciled: tokio::sync::oneshot::Receiver<()>,
+    ) -> Result<ControlServer, ControlError> {
         let socket = self.socket.clone();
         let listener = self.listener.take().expect("a bound socket is served once");
         let listener = UnixListener::from_std(listener).map_err(io_err("listen on", &socket))?;
@@ -149,7 +161,9 @@ impl BoundSocket {
             stopping: stopping.clone(),
         });
         let slots = Slots::new(connections.clone(), max_connections);
-        actix_rt::spawn(accept_loop(listener, shared, allowed, slots, stopping));
+        actix_rt::spawn(accept_loop(
+            listener, shared, allowed, slots, stopping, reconciled,
+        ));
         tracing::info!(socket = %socket.display(), "control socket listening");
         // The server owns the file from here on (and removes it when it stops).
         let identity = std::mem::take(&mut self.identity);
@@ -402,7 +416,15 @@ async fn accept_loop(
     allowed: Allowed,
     slots: Slots,
     mut stopping: watch::Receiver<bool>,
+    reconciled: tokio::sync::oneshot::Receiver<()>,
 ) {
+    tokio::select! {
+        _ = stopping.changed() => return,
+        _ = reconciled => {}
+        _ = tokio::time::sleep(FIRST_RECONCILE_WAIT) => {
+            tracing::warn!(waited = ?FIRST_RECONCILE_WAIT, "control: the first reconcile has not finished; accepting anyway");
+        }
+    }
     loop {
         let accepted = tokio::select! {
             _ = stopping.changed() => break,

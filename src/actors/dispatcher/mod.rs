@@ -6,6 +6,8 @@
 //! overlap: a trigger during a pass schedules exactly one more.
 
 mod reconcile;
+#[doc(hidden)]
+pub use reconcile::delay_reconciles;
 mod retention;
 
 use std::collections::{BTreeMap, HashMap};
@@ -213,6 +215,9 @@ pub struct DispatcherActor {
     chores_running: Arc<std::sync::atomic::AtomicBool>,
     retention: retention::Retention,
     last_promote_sweep: Option<std::time::Instant>,
+    /// Told once the first reconcile has decided about every run of a previous incarnation
+    /// (adopted, held, or closing): the control socket accepts only after that.
+    first_reconcile: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl DispatcherActor {
@@ -252,7 +257,14 @@ impl DispatcherActor {
             chores_running: Arc::default(),
             retention: retention::Retention::default(),
             last_promote_sweep: None,
+            first_reconcile: None,
         }
+    }
+
+    /// `done` is told when the first reconcile has run (see [`Self::first_reconcile`]).
+    pub fn tell_first_reconcile(mut self, done: tokio::sync::oneshot::Sender<()>) -> Self {
+        self.first_reconcile = Some(done);
+        self
     }
 
     fn claim_params(&self) -> ClaimParams {

@@ -15,6 +15,19 @@ use crate::process;
 /// How long a claim of this incarnation without a WorkerActor yet is taken as still starting.
 const JUST_CLAIMED_MS: i64 = 30_000;
 
+/// See [`delay_reconciles`].
+static RECONCILE_DELAY_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Test hook: every reconcile of this process waits `delay` before it reads the open runs (as
+/// a slow board or /proc would make it). Process-wide: for a test binary of its own.
+#[doc(hidden)]
+pub fn delay_reconciles(delay: std::time::Duration) {
+    RECONCILE_DELAY_MS.store(
+        delay.as_millis() as u64,
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
+
 /// What reconcile learned about an open run's worker (computed off the actor thread).
 enum Probe {
     /// A live WorkerActor of ours owns it, or ours just claimed it.
@@ -81,7 +94,11 @@ impl DispatcherActor {
         // environment): that happens here, on the blocking pool, never on the actor thread.
         let ours: std::collections::HashSet<RunId> = self.workers.keys().copied().collect();
         let claimer = self.claimer.clone();
+        let delay = RECONCILE_DELAY_MS.load(std::sync::atomic::Ordering::SeqCst);
         async move {
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
             store
                 .read(move |tx| {
                     // Open runs, and closed ones whose worker's start was never settled (closed
@@ -115,6 +132,9 @@ impl DispatcherActor {
             match res {
                 Ok(runs) => act.reconcile_runs(runs, ctx),
                 Err(e) => tracing::warn!(error = %e, "reconcile: cannot read open runs"),
+            }
+            if let Some(done) = act.first_reconcile.take() {
+                let _ = done.send(());
             }
         })
         .spawn(ctx);

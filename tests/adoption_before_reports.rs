@@ -1,0 +1,105 @@
+//! A restarted supervisor takes over the previous incarnation's workers before it answers any
+//! of them: reports that were waiting for it (retried while no supervisor was up) land on
+//! adopted runs, so every run's history says who watched its worker to the end.
+//!
+//! The first reconcile of the second incarnation is slowed down (the library's test hook, as a
+//! slow board or /proc would), while every worker retries `runwarden complete` every 100 ms:
+//! a socket served at once would close every run by its report before the reconcile read the
+//! open runs, and no worker would be adopted. Process-wide hook: this file is its own test
+//! binary.
+
+#[allow(dead_code)]
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::lifecycle::{
+    View, add, complete_loop, open_gate, sh_assignee, task_for, wait_for_gate,
+};
+use common::runtime::{SETTLE, TestDir, WorkerGuard, lib_config, worker_identity};
+use runwarden::Supervisor;
+use runwarden::board::{TaskId, TaskStatus};
+use runwarden::config::ShutdownMode;
+
+const TASKS: usize = 4;
+/// Many report retries long.
+const RECONCILE_DELAY: Duration = Duration::from_millis(1500);
+
+#[test]
+fn reports_waiting_for_a_restarted_supervisor_land_after_it_adopted_their_workers() {
+    let td = TestDir::new();
+    let gates = td.path().join("gates");
+    let mut config = lib_config(&td);
+    let mut w = sh_assignee(&format!("{}; {}", wait_for_gate(60), complete_loop("ok")));
+    w.env.insert("GATE_DIR".into(), gates.display().to_string());
+    w.max_in_progress = TASKS as u32;
+    config.assignees.insert("w".into(), w);
+
+    // The first incarnation starts every worker, then stops and leaves them running.
+    let mut first = config.clone();
+    first.supervisor.shutdown = ShutdownMode::Leave;
+    let mut sup = Supervisor::start(first).expect("start the first incarnation");
+    let tasks: Vec<TaskId> = (0..TASKS)
+        .map(|i| add(&sup, task_for(&format!("task {i}"), "w")))
+        .collect();
+    let workers: BTreeMap<TaskId, WorkerGuard> = tasks
+        .iter()
+        .map(|&task| {
+            let spawned = sup.wait_event(task, "worker_spawned", SETTLE);
+            let (pid, fp) = worker_identity(&spawned).expect("worker identity");
+            (task, WorkerGuard::pin(pid, &fp))
+        })
+        .collect();
+    sup.shutdown();
+    for (task, w) in &workers {
+        assert!(
+            w.alive(),
+            "task {task}: worker {} died with its supervisor",
+            w.pid
+        );
+    }
+
+    // Every worker now retries its report until a supervisor answers.
+    for &task in &tasks {
+        open_gate(&gates, task);
+    }
+    runwarden::actors::dispatcher::delay_reconciles(RECONCILE_DELAY);
+    let started = Instant::now();
+    let mut sup = Supervisor::start(config).expect("start the second incarnation");
+    for &task in &tasks {
+        sup.wait_status(task, TaskStatus::Done, SETTLE + RECONCILE_DELAY);
+    }
+    for &task in &tasks {
+        let d = sup.detail(task);
+        let history = sup.history(task);
+        let id_of = |kind: &str| {
+            let ids: Vec<_> = d
+                .events
+                .iter()
+                .filter(|e| e.kind == kind)
+                .map(|e| e.id)
+                .collect();
+            assert_eq!(ids.len(), 1, "one {kind} event\n{history}");
+            ids[0]
+        };
+        let (adopted, completed) = (id_of("worker_adopted"), id_of("completed"));
+        assert!(
+            adopted < completed,
+            "the report landed before the adoption\n{history}"
+        );
+        assert_eq!(d.runs.len(), 1, "one run\n{history}");
+        assert_eq!(d.task.result.as_deref(), Some("ok"), "{history}");
+    }
+    // The reports did wait for the slowed reconcile (else the hook slowed nothing).
+    assert!(
+        started.elapsed() >= RECONCILE_DELAY,
+        "done after {:?}, before the reconcile could have run",
+        started.elapsed()
+    );
+
+    // Each worker exits after its report was answered.
+    let gone = common::proc_guard::wait_until(SETTLE, || workers.values().all(|w| !w.alive()));
+    assert!(gone, "workers left after their reports");
+    sup.shutdown();
+}
