@@ -5,21 +5,26 @@
 //! The first reconcile of the second incarnation is slowed down (the library's test hook, as a
 //! slow board or /proc would), while every worker retries `runwarden complete` every 100 ms:
 //! a socket served at once would close every run by its report before the reconcile read the
-//! open runs, and no worker would be adopted. Process-wide hook: this file is its own test
-//! binary.
+//! open runs, and no worker would be adopted; a socket that waited for its 5 s bound instead
+//! of the reconcile's signal (pushed out of reach here) would answer nobody in time.
+//! Process-wide hooks: this file is its own test binary.
 
 #[allow(dead_code)]
 mod common;
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::lifecycle::{
-    View, add, complete_loop, open_gate, sh_assignee, task_for, wait_for_gate,
+    Db, View, add, complete_loop, open_gate, path_with_runwarden, sh_assignee, task_for,
+    wait_for_gate,
 };
+use common::proc_guard::ChildGuard;
 use common::runtime::{SETTLE, TestDir, WorkerGuard, lib_config, worker_identity};
 use runwarden::Supervisor;
-use runwarden::board::{TaskId, TaskStatus};
+use runwarden::board::{TaskId, TaskStatus, now_millis};
 use runwarden::config::ShutdownMode;
 
 const TASKS: usize = 4;
@@ -65,6 +70,8 @@ fn reports_waiting_for_a_restarted_supervisor_land_after_it_adopted_their_worker
         open_gate(&gates, task);
     }
     runwarden::actors::dispatcher::delay_reconciles(RECONCILE_DELAY);
+    // The socket's own bound (5 s) out of reach: the gate must open on the reconcile's signal.
+    runwarden::control::server::set_first_reconcile_wait(Duration::from_secs(600));
     let started = Instant::now();
     let mut sup = Supervisor::start(config).expect("start the second incarnation");
     for &task in &tasks {
@@ -101,5 +108,77 @@ fn reports_waiting_for_a_restarted_supervisor_land_after_it_adopted_their_worker
     // Each worker exits after its report was answered.
     let gone = common::proc_guard::wait_until(SETTLE, || workers.values().all(|w| !w.alive()));
     assert!(gone, "workers left after their reports");
+    sup.shutdown();
+}
+
+/// The same for a worker whose start was never recorded (its supervisor died between the
+/// start and the record): the reconcile finds it by its run token, records it (`worker_found`)
+/// and adopts it, and only then does the socket take the report it was retrying.
+#[test]
+fn a_worker_found_by_its_token_is_adopted_before_its_report_lands() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config
+        .assignees
+        .insert("w".into(), sh_assignee("exec sleep 300"));
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+
+    // A claim of a supervisor that died before recording its worker, and that worker: a group
+    // leader carrying the run's token, retrying its report until a supervisor answers.
+    let db = Db::new(td.db_path());
+    let (task, claim) = db.write(|tx| {
+        let now = now_millis();
+        let task = tx.create_task(&task_for("found", "w"), now)?.id;
+        Ok((
+            task,
+            tx.claim_task_to_spawn(task, "runwarden:1:dead", now, 600_000)?,
+        ))
+    });
+    let worker = ChildGuard::spawn(
+        Command::new("sh")
+            .arg("-c")
+            .arg(complete_loop("ok"))
+            .env("PATH", path_with_runwarden())
+            .env("RUNWARDEN_SOCKET", td.socket_path())
+            .env("RUNWARDEN_TASK_ID", task.to_string())
+            .env("RUNWARDEN_RUN_ID", claim.run_id.to_string())
+            .env("RUNWARDEN_RUN_TOKEN", &claim.token)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0),
+    )
+    .expect("spawn the unrecorded worker");
+
+    runwarden::actors::dispatcher::delay_reconciles(RECONCILE_DELAY);
+    runwarden::control::server::set_first_reconcile_wait(Duration::from_secs(600));
+    let mut sup = Supervisor::start(config).expect("start the supervisor");
+    sup.wait_status(task, TaskStatus::Done, SETTLE + 3 * RECONCILE_DELAY);
+
+    let d = sup.detail(task);
+    let history = sup.history(task);
+    let id_of = |kind: &str| {
+        let ids: Vec<_> = d
+            .events
+            .iter()
+            .filter(|e| e.kind == kind)
+            .map(|e| e.id)
+            .collect();
+        assert_eq!(ids.len(), 1, "one {kind} event\n{history}");
+        ids[0]
+    };
+    let (found, adopted, completed) = (
+        id_of("worker_found"),
+        id_of("worker_adopted"),
+        id_of("completed"),
+    );
+    assert!(
+        found < adopted && adopted < completed,
+        "found, adopted, completed: in that order\n{history}"
+    );
+    assert_eq!(
+        d.runs[0].spawned_pid,
+        Some(i64::from(worker.pid())),
+        "{history}"
+    );
     sup.shutdown();
 }

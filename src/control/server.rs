@@ -30,8 +30,17 @@ const STOP_DRAIN: Duration = Duration::from_secs(2);
 /// Pause after a failed accept (e.g. out of file descriptors) so the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// The longest the socket waits for the first reconcile before it accepts anyway (a /proc
-/// probe stuck on a hung file system must not keep every client out).
-const FIRST_RECONCILE_WAIT: Duration = Duration::from_secs(5);
+/// probe stuck on a hung file system must not keep every client out), in milliseconds.
+static FIRST_RECONCILE_WAIT_MS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(5_000);
+
+/// Test hook: how long the socket waits for the first reconcile at most (5 s). Process-wide:
+/// for a test binary of its own (a test that must see the gate open on the reconcile's
+/// signal, not on this bound).
+#[doc(hidden)]
+pub fn set_first_reconcile_wait(wait: Duration) {
+    FIRST_RECONCILE_WAIT_MS.store(wait.as_millis() as u64, std::sync::atomic::Ordering::SeqCst);
+}
 
 /// Why the control server could not start.
 #[derive(Debug, thiserror::Error)]
@@ -133,8 +142,8 @@ pub struct BoundSocket {
 impl BoundSocket {
     /// Starts serving with `services`. Must be called inside the supervisor's actix system.
     ///
-    /// Connections are accepted once `reconciled` is told (or dropped), or after
-    /// [`FIRST_RECONCILE_WAIT`]: a restarted supervisor first takes over the workers of the
+    /// Connections are accepted once `reconciled` is told (or dropped), or after 5 s
+    /// (`set_first_reconcile_wait`): a restarted supervisor first takes over the workers of the
     /// previous one, so a report that was waiting for it lands on an adopted run, never ahead
     /// of the adoption. Until then clients wait in the listen queue.
     pub fn serve(
@@ -418,11 +427,13 @@ async fn accept_loop(
     mut stopping: watch::Receiver<bool>,
     reconciled: tokio::sync::oneshot::Receiver<()>,
 ) {
+    let bound =
+        Duration::from_millis(FIRST_RECONCILE_WAIT_MS.load(std::sync::atomic::Ordering::SeqCst));
     tokio::select! {
         _ = stopping.changed() => return,
         _ = reconciled => {}
-        _ = tokio::time::sleep(FIRST_RECONCILE_WAIT) => {
-            tracing::warn!(waited = ?FIRST_RECONCILE_WAIT, "control: the first reconcile has not finished; accepting anyway");
+        _ = tokio::time::sleep(bound) => {
+            tracing::warn!(waited = ?bound, "control: the first reconcile has not finished; accepting anyway");
         }
     }
     loop {

@@ -216,8 +216,11 @@ pub struct DispatcherActor {
     retention: retention::Retention,
     last_promote_sweep: Option<std::time::Instant>,
     /// Told once the first reconcile has decided about every run of a previous incarnation
-    /// (adopted, held, or closing): the control socket accepts only after that.
+    /// (adopted, held, or closing) — including the workers it found by their token, which a
+    /// reconcile adopts once they are recorded: the control socket accepts only after that.
     first_reconcile: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Found workers whose record (or release) is still being written.
+    first_followups: usize,
 }
 
 impl DispatcherActor {
@@ -258,6 +261,7 @@ impl DispatcherActor {
             retention: retention::Retention::default(),
             last_promote_sweep: None,
             first_reconcile: None,
+            first_followups: 0,
         }
     }
 

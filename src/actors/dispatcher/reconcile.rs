@@ -133,7 +133,9 @@ impl DispatcherActor {
                 Ok(runs) => act.reconcile_runs(runs, ctx),
                 Err(e) => tracing::warn!(error = %e, "reconcile: cannot read open runs"),
             }
-            if let Some(done) = act.first_reconcile.take() {
+            if act.first_followups == 0
+                && let Some(done) = act.first_reconcile.take()
+            {
                 let _ = done.send(());
             }
         })
@@ -243,6 +245,9 @@ impl DispatcherActor {
             Probe::NotVerified(l) => Err(l),
             Probe::Unstarted { leader } => {
                 self.closing.insert(run_id);
+                // A worker found by its token is adopted by the reconcile after its record:
+                // the first one's signal waits for that (see `first_reconcile`).
+                self.first_followups += 1;
                 let kill = self.config.reaper.kill_timeout;
                 let token = run.token.clone();
                 let stragglers = leader.is_none();
@@ -308,6 +313,11 @@ impl DispatcherActor {
                 // and slot it freed get a pass now.
                 .map(move |_, act, ctx| {
                     act.closing.remove(&run_id);
+                    act.first_followups -= 1;
+                    if act.first_followups == 0 && act.first_reconcile.is_some() {
+                        // Adopt what was just recorded now, not a tick later.
+                        act.reconcile(ctx);
+                    }
                     act.pass(ctx);
                 })
                 .spawn(ctx);
