@@ -14,6 +14,7 @@ use super::store::{Store, StoreError};
 use super::worker::TerminateReason;
 use crate::board::{self, Claim, ExitInfo, Failure, Millis, RunId, RunOutcome, Task, TaskId, Tx};
 use crate::config::{AssigneeConfig, Config, OnExitZero};
+use crate::process::ExitStatus;
 use crate::process::Fingerprint;
 
 /// How many bytes of the log's end go into a crashed run's `error`.
@@ -196,6 +197,24 @@ pub struct ExitContext {
     pub policy: ExitPolicy,
     /// Claim the next ready task(s) for the freed slot in the same transaction.
     pub claim_next: Option<ClaimParams>,
+}
+
+/// The board's record of how a worker ended (`None`: not known).
+pub fn exit_info(status: Option<ExitStatus>) -> ExitInfo {
+    match status {
+        Some(ExitStatus::Code(c)) => ExitInfo {
+            code: Some(c),
+            signal: None,
+        },
+        Some(ExitStatus::Signal(s)) => ExitInfo {
+            code: None,
+            signal: Some(s),
+        },
+        None => ExitInfo {
+            code: None,
+            signal: None,
+        },
+    }
 }
 
 /// What the exit's transaction claimed for the freed slot.

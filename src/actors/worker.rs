@@ -15,7 +15,7 @@ use super::dispatcher::{ClaimParams, Claimed, DispatcherActor, WorkerFinished};
 use super::outcome::{self, ExitPolicy};
 use super::spawn::{self, SpawnSpec, Spawner};
 use super::store::Store;
-use crate::board::{self, ExitInfo, RunId, TaskId};
+use crate::board::{self, RunId, TaskId};
 use crate::process::{self, ExitStatus, Fingerprint, PidFd, descendants};
 
 /// Why a worker is being ended; decides what its exit records.
@@ -308,10 +308,7 @@ impl WorkerActor {
             return self.finish(ctx);
         };
         let status = match pidfd.try_reap() {
-            _ if self.adopted_started_at.is_some() => {
-                // Not our child: its parent (init) reaps it and its status is lost to us.
-                return self.record_exit(pidfd, None, ctx);
-            }
+            _ if self.adopted_started_at.is_some() => return self.on_adopted_exit(pidfd, ctx),
             Ok(Some(s)) => {
                 self.release_pid(&pidfd);
                 s
@@ -339,6 +336,27 @@ impl WorkerActor {
             "worker exited"
         );
         self.record_exit(pidfd, Some(status), ctx);
+    }
+
+    /// The exit of a worker adopted from a previous incarnation: not our child, so its parent
+    /// (init, or a subreaper) reaps it, but the kernel may still tell its status
+    /// (`process::exit_status`; it reads `/proc`, so off this thread). Unknown otherwise.
+    fn on_adopted_exit(&mut self, pidfd: Arc<PidFd>, ctx: &mut Context<Self>) {
+        let (probe, fp, run_id) = (pidfd.clone(), self.fingerprint.clone(), self.run_id());
+        async move {
+            actix_rt::task::spawn_blocking(move || {
+                fp.and_then(|fp| process::exit_status::of_exited_stranger(&probe, &fp))
+            })
+            .await
+            .ok()
+            .flatten()
+        }
+        .into_actor(self)
+        .map(move |status, act, ctx| {
+            tracing::info!(run_id, pid = pidfd.pid(), ?status, "adopted worker exited");
+            act.record_exit(pidfd, status, ctx)
+        })
+        .wait(ctx);
     }
 
     /// Records the leader's exit once it is known whether its tree outlives it: members left in
@@ -397,20 +415,7 @@ impl WorkerActor {
         tree_alive: bool,
         ctx: &mut Context<Self>,
     ) {
-        let exit = match status {
-            Some(ExitStatus::Code(c)) => ExitInfo {
-                code: Some(c),
-                signal: None,
-            },
-            Some(ExitStatus::Signal(s)) => ExitInfo {
-                code: None,
-                signal: Some(s),
-            },
-            None => ExitInfo {
-                code: None,
-                signal: None,
-            },
-        };
+        let exit = outcome::exit_info(status);
         // The leader is gone; anything left of its tree is a leak nobody will clean up: the run
         // keeps its evidence until the tree has been ended off this thread and the evidence
         // cleared.

@@ -24,11 +24,13 @@
 //! verdicts and scans process groups; `pidfd` wraps the pidfd syscalls and the
 //! open-then-verify step; `signal` holds the signaller and the terminate sequences;
 //! `subreaper` adopts and reaps orphans; `descendants` finds what escaped a worker's group;
-//! `owned` tracks the children whose owners reap them; `sched` sets the scheduling policy of
+//! `owned` tracks the children whose owners reap them; `exit_status` reads how a process that
+//! is not our child (an adopted worker) ended; `sched` sets the scheduling policy of
 //! the supervisor's own threads.
 
 pub mod clone_exec;
 pub mod descendants;
+pub mod exit_status;
 mod fingerprint;
 mod group_fallback;
 mod liveness;

@@ -36,6 +36,9 @@ enum Probe {
     Verified(process::PidFd, process::Fingerprint),
     /// Its recorded worker is dead, recycled, unreadable, or has no fingerprint.
     NotVerified(process::Liveness),
+    /// Its recorded worker exited while no supervisor watched, and is still a zombie (its new
+    /// parent has not reaped it yet) whose exit status could be read.
+    Exited(process::ExitStatus),
     /// No worker was ever recorded; `leader` is a process carrying the run's token that leads
     /// its own group (the worker, started but not recorded), if any.
     Unstarted {
@@ -52,6 +55,12 @@ impl Probe {
         ) {
             (Some(pid), Some(fp)) => match process::open_verified(pid, &fp) {
                 Ok(process::Verified::Ours(pidfd)) => Probe::Verified(pidfd, fp),
+                Ok(process::Verified::NotOurs(
+                    l @ process::Liveness::Dead(process::DeadReason::Zombie),
+                )) => match process::exit_status::of_zombie(pid, &fp) {
+                    Some(status) => Probe::Exited(status),
+                    None => Probe::NotVerified(l),
+                },
                 Ok(process::Verified::NotOurs(l)) => Probe::NotVerified(l),
                 Err(e) => Probe::NotVerified(process::Liveness::Unknown(e.to_string())),
             },
@@ -239,10 +248,15 @@ impl DispatcherActor {
             return;
         }
         let lease_expired = run.lease_expires_at <= now;
+        let mut exited = None;
         let verdict = match probe {
             Probe::Ours => return,
             Probe::Verified(pidfd, fp) => Ok((pidfd, fp)),
             Probe::NotVerified(l) => Err(l),
+            Probe::Exited(status) => {
+                exited = Some(status);
+                Err(process::Liveness::Dead(process::DeadReason::Zombie))
+            }
             Probe::Unstarted { leader } => {
                 self.closing.insert(run_id);
                 // A worker found by its token is adopted by the reconcile after its record:
@@ -363,6 +377,31 @@ impl DispatcherActor {
                 self.held.remove(&run_id);
                 self.closing.insert(run_id);
                 let policy = self.policy_for(&task);
+                // Its exit status known (a zombie's): closed by the rules of any exit.
+                let known = exited.map(|status| {
+                    let assignee = task
+                        .assignee
+                        .as_deref()
+                        .and_then(|a| self.config.assignee(a));
+                    let (spec, _, _) = self.setup_with(&task, run_id, run.token.clone(), assignee);
+                    outcome::ExitContext {
+                        run_id,
+                        task_id: task.id,
+                        exit: outcome::exit_info(Some(status)),
+                        pid: run
+                            .worker_pid
+                            .and_then(|p| i32::try_from(p).ok())
+                            .unwrap_or_default(),
+                        fingerprint: run.fingerprint(),
+                        terminated: None,
+                        adopted: true,
+                        evidence_on_row: true,
+                        group_alive: false,
+                        log_path: spec.log_path,
+                        policy: policy.clone(),
+                        claim_next: None,
+                    }
+                });
                 let store = self.store.clone();
                 let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
                 async move {
@@ -377,17 +416,15 @@ impl DispatcherActor {
                         tracing::warn!(run_id, "reconcile: a dead worker's descendants outlived SIGKILL; run left open");
                         return;
                     }
+                    if let Some(cx) = known {
+                        if let Err(e) = outcome::record_exit(&store, cx).await {
+                            tracing::warn!(run_id, error = %e, "reconcile: cannot close dead worker's run");
+                        }
+                        return;
+                    }
                     let r = store
                         .with_tx(move |tx, now| {
-                            tx.record_worker_exit(
-                                run_id,
-                                board::ExitInfo {
-                                    code: None,
-                                    signal: None,
-                                },
-                                false,
-                                now,
-                            )?;
+                            tx.record_worker_exit(run_id, outcome::exit_info(None), false, now)?;
                             let error =
                                 format!("worker exited while unsupervised ({})", reason.as_str());
                             outcome::fail(
