@@ -18,6 +18,8 @@ mod worker;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::time::Duration;
+
 use clap::{Parser, Subcommand};
 
 use crate::board::TaskId;
@@ -33,6 +35,15 @@ pub const EXIT_TIMEOUT: u8 = 124;
 
 /// The environment variable a worker finds its supervisor's socket in.
 pub const SOCKET_ENV: &str = "RUNWARDEN_SOCKET";
+
+/// How long an operator's command waits for each answer of the supervisor before it gives up
+/// (exit 124): a stopped or wedged supervisor must not hang a script. `RUNWARDEN_TIMEOUT` (a
+/// humantime duration; `0s` waits for ever) overrides. Following commands (`events --follow`,
+/// `wait`) wait for events as long as they are asked to.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The environment variable that overrides [`REPLY_TIMEOUT`].
+pub const TIMEOUT_ENV: &str = "RUNWARDEN_TIMEOUT";
 
 /// runwarden: supervise agent workers for a task board.
 #[derive(Debug, Parser)]
@@ -177,8 +188,28 @@ impl CliError {
 
 impl From<ClientError> for CliError {
     fn from(e: ClientError) -> Self {
-        CliError::failure(e.to_string())
+        match e {
+            ClientError::Timeout => CliError {
+                message: format!(
+                    "no answer from the supervisor within {} (stopped or overloaded?); \
+                     {TIMEOUT_ENV} sets how long to wait",
+                    humantime::format_duration(reply_timeout().unwrap_or_default())
+                ),
+                code: EXIT_TIMEOUT,
+            },
+            e => CliError::failure(e.to_string()),
+        }
     }
+}
+
+/// [`REPLY_TIMEOUT`], or `$RUNWARDEN_TIMEOUT` (`None`: wait for ever). A value that does not
+/// parse is ignored (the default applies).
+pub fn reply_timeout() -> Option<Duration> {
+    let wait = std::env::var(TIMEOUT_ENV)
+        .ok()
+        .and_then(|v| humantime::parse_duration(v.trim()).ok())
+        .unwrap_or(REPLY_TIMEOUT);
+    (!wait.is_zero()).then_some(wait)
 }
 
 /// Loads the config the global flags name.
@@ -213,10 +244,12 @@ pub fn socket_path(cli: &Cli) -> Result<PathBuf, CliError> {
     Ok(config.socket_path())
 }
 
-/// Connects to the supervisor and says hello.
+/// Connects to the supervisor and says hello; each answer is waited for at most
+/// [`reply_timeout`].
 pub fn connect(cli: &Cli) -> Result<Client, CliError> {
     let path = socket_path(cli)?;
     let mut client = Client::connect(&path)?;
+    client.set_read_timeout(reply_timeout())?;
     client.hello()?;
     Ok(client)
 }

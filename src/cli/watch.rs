@@ -66,6 +66,8 @@ pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
         }
         return Ok(());
     }
+    // Followed for as long as asked: quiet stretches are no failure.
+    client.set_read_timeout(None)?;
     for ev in client.follow_events(args.since, args.id)? {
         let ev = ev?;
         if out.json {

@@ -1,0 +1,77 @@
+//! An operator's command against a supervisor that does not answer (here: stopped with
+//! SIGSTOP) gives up after `RUNWARDEN_TIMEOUT` with exit 124 and one line saying so, instead
+//! of hanging a script for ever; `events --follow` is not cut off by a quiet stretch longer
+//! than that timeout, and goes on once the supervisor answers again.
+
+#[allow(dead_code)]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::control_daemon::{Daemon, command, ok, run, stream_of};
+use common::proc_guard::wait_until;
+use runwarden::process::Signal;
+
+/// Sends SIGCONT to the stopped supervisor when dropped, so a failing test never leaves it
+/// stopped (its own guard could not end it then: SIGKILL works, but its stop would wait).
+struct Resume(i32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.0), Signal::SIGCONT);
+    }
+}
+
+#[test]
+fn an_unanswering_supervisor_times_out_operator_commands_but_not_followers() {
+    let mut d = Daemon::start("", "[assignees.w]\ncommand = [\"true\"]\n");
+    let socket = d.socket.to_str().unwrap().to_string();
+    let with_timeout = |args: &[&str]| {
+        let mut cmd = command();
+        cmd.env("RUNWARDEN_TIMEOUT", "1s")
+            .arg("--socket")
+            .arg(&socket)
+            .args(args);
+        cmd
+    };
+    let (_follower, lines) = stream_of(with_timeout(&["events", "--follow", "--json"]));
+    let sees_created = |id: &str| {
+        let mut seen = false;
+        wait_until(Duration::from_secs(10), || {
+            while let Ok(line) = lines.try_recv() {
+                seen |= line.contains("\"kind\":\"created\"")
+                    && line.contains(&format!("\"task_id\":{id}"));
+            }
+            seen
+        });
+        seen
+    };
+    // The follower is following before the pause.
+    let before = ok(&run(with_timeout(&["add", "before the pause", "-a", "w"])))
+        .trim()
+        .to_string();
+    assert!(sees_created(&before), "the follower never followed");
+
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(d.pid()), Signal::SIGSTOP).unwrap();
+    let resume = Resume(d.pid());
+    let started = Instant::now();
+    let out = run(with_timeout(&["status"]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(124), "{stderr}");
+    assert!(
+        stderr.contains("no answer from the supervisor within 1s"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    assert!(started.elapsed() >= Duration::from_secs(1));
+
+    // The follower has been waiting longer than the timeout by now, and waits on.
+    drop(resume);
+    let added = run(with_timeout(&["add", "after the pause", "-a", "w"]));
+    let id = ok(&added).trim().to_string();
+    assert!(
+        sees_created(&id),
+        "the follower stopped following during the pause"
+    );
+    d.assert_healthy();
+}
