@@ -6,6 +6,7 @@
 //! - at `max_retries` (the task's, else the assignee's, else the config's) the task is
 //!   `blocked` with a `gave_up` event carrying the last error, and is not retried until
 //!   `unblock`;
+//! - each crash quotes its own run's output (the log is shared by the attempts);
 //! - a success resets the count;
 //! - `retry_exit_codes` requeue without counting, after `retry_cooldown`; `fail_exit_codes`
 //!   block at once.
@@ -91,9 +92,21 @@ fn a_crash_backs_off_exponentially_then_gives_up_until_unblocked() {
     let blocked = sup.wait_status(task, TaskStatus::Blocked, 3 * SETTLE);
     let runs = sup.runs(task);
     assert_eq!(runs.len(), 3, "{}", sup.history(task));
-    for r in &runs {
+    for (i, r) in runs.iter().enumerate() {
         assert_eq!(r.outcome, Some(RunOutcome::Crashed), "{r:?}");
         assert_eq!(r.exit_code, Some(3), "{r:?}");
+        // Each error quotes its own run's output, never an earlier attempt's (the log file is
+        // the task's, shared by its attempts).
+        let error = r.error.as_deref().unwrap_or_default();
+        assert!(error.contains(&format!("boom in run {}", r.id)), "{r:?}");
+        for earlier in &runs[..i] {
+            assert!(
+                !error.contains(&format!("boom in run {}", earlier.id)),
+                "run {} quotes run {}: {error}",
+                r.id,
+                earlier.id
+            );
+        }
     }
     assert_eq!(blocked.consecutive_failures, 3);
     assert_backoffs(&mut sup, task, backoff);

@@ -562,7 +562,7 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
     let log = dir.join("logs").join("0.log");
     let t = Instant::now();
     for _ in 0..K {
-        std::hint::black_box(spawn::log_tail(&log, 400));
+        std::hint::black_box(spawn::log_tail(&log, 0, 400));
     }
     p.log_tail_us = us(t) / K as f64;
     p.procs = std::fs::read_dir("/proc")

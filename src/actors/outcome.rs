@@ -194,6 +194,8 @@ pub struct ExitContext {
     /// The leader's group (or descendants) still run: keep the evidence until they are ended.
     pub group_alive: bool,
     pub log_path: PathBuf,
+    /// Where this run's output starts in the log (0 when not known: an adopted worker).
+    pub log_start: u64,
     pub policy: ExitPolicy,
     /// Claim the next ready task(s) for the freed slot in the same transaction.
     pub claim_next: Option<ClaimParams>,
@@ -233,7 +235,7 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, Store
     // Only a crash quotes the log; a clean exit (the common case) reads nothing.
     let crashed = !(cx.exit.code == Some(0) && cx.policy.on_exit_zero == OnExitZero::Complete);
     let tail = if crashed {
-        log_tail(&cx.log_path, LOG_TAIL_BYTES)
+        log_tail(&cx.log_path, cx.log_start, LOG_TAIL_BYTES)
     } else {
         String::new()
     };

@@ -45,6 +45,9 @@ pub struct Spawned {
     pub pid: i32,
     pub pidfd: PidFd,
     pub fingerprint: Fingerprint,
+    /// The log's size when this worker got it: what this run wrote starts there (the file is
+    /// the task's, shared by its attempts), so a crash quotes this run's output only.
+    pub log_start: u64,
 }
 
 /// A few dedicated threads that start workers, shared by every WorkerActor of a supervisor.
@@ -172,7 +175,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             )
         })?;
     }
-    let log = open_log(&spec.log_path, spec.log_max_bytes)?;
+    let (log, log_start) = open_log(&spec.log_path, spec.log_max_bytes)?;
 
     // A bare name is looked up here, in the PATH the worker will have: execve does not search
     // PATH, and std, given a PATH of the child's own, would fork the whole supervisor (a large,
@@ -285,6 +288,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         pid,
         pidfd,
         fingerprint,
+        log_start,
     })
 }
 
@@ -658,8 +662,8 @@ fn open_regular(path: &Path, opts: &mut OpenOptions) -> std::io::Result<(File, s
 
 /// Opens the task's log for appending (created 0600: only the supervisor reads it; the worker
 /// writes through the descriptor it is given), rotating it first when it has reached
-/// `max_bytes`.
-fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
+/// `max_bytes`. With the log's size once open (0 after a rotation).
+fn open_log(path: &Path, max_bytes: u64) -> Result<(File, u64), String> {
     use std::os::unix::fs::OpenOptionsExt;
     // Never through a symbolic link: the log is the supervisor's file, not wherever a link
     // put in its place points.
@@ -684,16 +688,16 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<File, String> {
         Err(e) => return Err(format!("cannot open log file {}: {e}", path.display())),
     };
     // Sized through the open handle: a fresh log (the common case) costs no second lookup.
-    let full = file
-        .metadata()
-        .map(|m| m.len() >= max_bytes)
-        .unwrap_or(false);
-    if !full {
-        return Ok(file);
+    // Unknown, it counts as empty: a crash would then quote earlier attempts too, nothing worse.
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    if size < max_bytes {
+        return Ok((file, size));
     }
     drop(file);
     rotate_if_needed(path, max_bytes);
-    open().map_err(|e| format!("cannot open log file {}: {e}", path.display()))
+    let file = open().map_err(|e| format!("cannot open log file {}: {e}", path.display()))?;
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    Ok((file, size))
 }
 
 /// Copy-then-truncate rotation, keeping one backup (`<name>.1`) of the log's last `max_bytes`
@@ -800,15 +804,18 @@ pub fn read_log(path: &Path, offset: u64, max: u64) -> std::io::Result<Option<(V
     Ok(Some((data, size)))
 }
 
-/// The last `n` bytes of a log file (lossy UTF-8), for a crash's error text. Called on the
-/// actor thread, so it never waits: opened non-blocking, and anything but a regular file (a
-/// FIFO put in the log's place would block a read until some writer came) gives "".
-pub fn log_tail(path: &Path, n: u64) -> String {
+/// The last `n` bytes of a log file written since offset `from` (lossy UTF-8), for a crash's
+/// error text: `from` is where the run's own output starts (the log is shared by the task's
+/// attempts). A log shorter than `from` was rotated since, and all of it is the run's. Called
+/// on the actor thread, so it never waits: opened non-blocking, and anything but a regular file
+/// (a FIFO put in the log's place would block a read until some writer came) gives "".
+pub fn log_tail(path: &Path, from: u64, n: u64) -> String {
     let Ok((mut f, meta)) = open_regular(path, OpenOptions::new().read(true)) else {
         return String::new();
     };
     let len = meta.len();
-    let _ = f.seek(SeekFrom::Start(len.saturating_sub(n)));
+    let from = if len < from { 0 } else { from };
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(n).max(from)));
     let mut buf = Vec::new();
     let _ = f.take(n).read_to_end(&mut buf);
     String::from_utf8_lossy(&buf).trim().to_string()
@@ -1082,7 +1089,7 @@ mod tests {
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let path = fifo.clone();
-        std::thread::spawn(move || tx.send(log_tail(&path, 400)));
+        std::thread::spawn(move || tx.send(log_tail(&path, 0, 400)));
         let tail = rx
             .recv_timeout(Duration::from_secs(10))
             .expect("log_tail blocked on a FIFO");
@@ -1090,6 +1097,29 @@ mod tests {
         // A regular file still gives its tail.
         let log = dir.path().join("2.log");
         fs::write(&log, "first\nlast words\n").unwrap();
-        assert_eq!(log_tail(&log, 11), "last words");
+        assert_eq!(log_tail(&log, 0, 11), "last words");
+    }
+
+    /// A crash quotes its own run's output only: the log is the task's, shared by attempts.
+    #[test]
+    fn log_tail_starts_at_the_runs_own_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("1.log");
+        fs::write(&log, "attempt one: disk on fire\n").unwrap();
+        let (_, start) = open_log(&log, 1 << 20).unwrap();
+        assert_eq!(start, 26);
+        // This attempt wrote nothing: nothing to quote (not the previous attempt's words).
+        assert_eq!(log_tail(&log, start, 400), "");
+        fs::write(&log, "attempt one: disk on fire\nattempt two: ok?\n").unwrap();
+        assert_eq!(log_tail(&log, start, 400), "attempt two: ok?");
+        // The last `n` bytes when the run wrote more.
+        assert_eq!(log_tail(&log, start, 4), "ok?");
+        // Rotated since the start (shorter than the start): all of it is this run's.
+        fs::write(&log, "after\n").unwrap();
+        assert_eq!(log_tail(&log, start, 400), "after");
+        // A log at its size limit is rotated when a worker gets it: it starts at 0.
+        fs::write(&log, "x".repeat(64)).unwrap();
+        let (_, start) = open_log(&log, 64).unwrap();
+        assert_eq!(start, 0);
     }
 }

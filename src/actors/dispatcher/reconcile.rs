@@ -398,6 +398,8 @@ impl DispatcherActor {
                         evidence_on_row: true,
                         group_alive: false,
                         log_path: spec.log_path,
+                        // Where its output starts was not kept: the whole log's tail.
+                        log_start: 0,
                         policy: policy.clone(),
                         claim_next: None,
                     }
