@@ -265,7 +265,9 @@ impl DispatcherActor {
         }
     }
 
-    /// `done` is told when the first reconcile has run (see [`Self::first_reconcile`]).
+    /// `done` is told once the first reconcile has decided about every run of a previous
+    /// incarnation (adopted, held, or closing), including the workers it found by their token
+    /// and adopts once they are recorded: the control socket accepts only after that.
     pub fn tell_first_reconcile(mut self, done: tokio::sync::oneshot::Sender<()>) -> Self {
         self.first_reconcile = Some(done);
         self
