@@ -441,3 +441,50 @@ fn flags_anywhere_config_or_socket_and_plain_errors() {
     assert!(err.contains("/nonexistent/rw.sock"), "{err}");
     assert!(!d.stderr_text().contains("panicked"));
 }
+
+/// `ls` without `--limit` shows the newest 1000 and says on stderr when there are more (the
+/// table and `--json` stay whole on stdout); `--limit` is checked against its range.
+#[test]
+fn ls_says_when_its_default_limit_cut_the_list() {
+    use common::control_daemon::add_tasks;
+    use runwarden::board::{DEFAULT_LIST_LIMIT, NewTask};
+    let mut d = daemon();
+    let n = DEFAULT_LIST_LIMIT as usize;
+    let titles = |range: std::ops::Range<usize>| {
+        range.map(|i| NewTask {
+            title: format!("t{i}"),
+            ..NewTask::default()
+        })
+    };
+    let mut c = d.client();
+    add_tasks(&mut c, titles(0..n));
+    // Exactly the default: all of it, no notice.
+    let out = d.cli(&["ls", "--json"]);
+    assert_eq!(ok_json(&out).as_array().unwrap().len(), n);
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+
+    let ids = add_tasks(&mut c, titles(n..n + 1));
+    let out = d.cli(&["ls", "--json"]);
+    let listed = ok_json(&out);
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), n, "the default limit holds");
+    assert_eq!(listed[0]["id"], ids[0], "newest first");
+    let notice = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        notice.contains("showing the newest 1000") && notice.contains("--limit"),
+        "{notice}"
+    );
+    let table = d.cli(&["ls"]);
+    assert_eq!(ok(&table).lines().count(), n + 1, "a header and 1000 rows");
+    assert!(String::from_utf8_lossy(&table.stderr).contains("there are more"));
+    // Asked for explicitly: as many as asked, no notice.
+    let out = d.cli(&["ls", "--json", "--limit", "1001"]);
+    assert_eq!(ok_json(&out).as_array().unwrap().len(), n + 1);
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+    for bad in ["0", "10001", "-1", "ten"] {
+        let (code, err) = failed(&d.cli(&["ls", &format!("--limit={bad}")]));
+        assert_eq!(code, 2, "--limit {bad}: {err}");
+        assert!(err.contains("--limit"), "--limit {bad}: {err}");
+    }
+    d.assert_healthy();
+}

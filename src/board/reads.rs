@@ -16,10 +16,10 @@ pub(super) const NO_LIVE_PREVIOUS_WORKER: &str = "AND NOT EXISTS (SELECT 1 FROM 
      WHERE r.task_id = tasks.id AND (r.worker_pid IS NOT NULL OR r.spawn_pending = 1))";
 
 /// Most tasks `list_tasks` returns without an explicit limit.
-const DEFAULT_LIST_LIMIT: u32 = 1000;
+pub const DEFAULT_LIST_LIMIT: u32 = 1000;
 /// Most tasks `list_tasks` returns at all: a larger `limit` is clamped to it (as an `events`
 /// page is), so one request cannot make the supervisor build an unbounded reply.
-const MAX_LIST_LIMIT: u32 = 10_000;
+pub const MAX_LIST_LIMIT: u32 = 10_000;
 /// What a run or comment costs a bounded reply beside its free text (ids, times, field names),
 /// so that many tiny rows are bounded too.
 const ROW_OVERHEAD: usize = 128;

@@ -6,6 +6,7 @@ use clap::Args;
 
 use super::output::{Cell, Out, Table, ago, duration, line, outcome_colour, short, status_colour};
 use super::{Cli, CliError, connect};
+use crate::board;
 use crate::board::{Event, NewTask, Run, Task, TaskDetail, TaskFilter, TaskId, TaskStatus};
 
 /// `runwarden add`.
@@ -45,8 +46,8 @@ pub struct LsArgs {
     /// Only tasks of this assignee.
     #[arg(long, short)]
     pub assignee: Option<String>,
-    /// At most this many (default 1000, at most 10000).
-    #[arg(long)]
+    /// At most this many, newest first (default 1000, at most 10000).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=board::MAX_LIST_LIMIT as i64))]
     pub limit: Option<u32>,
 }
 
@@ -81,20 +82,28 @@ pub fn add(cli: &Cli, out: Out, args: &AddArgs) -> Result<(), CliError> {
 
 /// Lists tasks (`--json`: an array of tasks).
 pub fn ls(cli: &Cli, out: Out, args: &LsArgs) -> Result<(), CliError> {
+    // Without --limit, one more than the default is asked for, so that a cut list says so.
+    let default_cut = args.limit.is_none().then_some(board::DEFAULT_LIST_LIMIT);
     let filter = TaskFilter {
         status: args.status,
         assignee: args.assignee.clone(),
-        limit: args.limit,
+        limit: args.limit.or(default_cut.map(|n| n + 1)),
     };
     let reply = connect(cli)?.list_tasks_reply(&filter)?;
+    let mut tasks = reply.tasks;
+    // Notices go to stderr, so `--json` stays one array on stdout.
     if reply.truncated {
-        // On stderr, so `--json` stays one array on stdout.
         eprintln!(
             "runwarden: only the newest {} matching tasks fit in one reply; narrow with --status, --assignee or --limit",
-            reply.tasks.len()
+            tasks.len()
+        );
+    } else if let Some(cut) = default_cut.filter(|&n| tasks.len() > n as usize) {
+        tasks.truncate(cut as usize);
+        eprintln!(
+            "runwarden: showing the newest {cut} matching tasks; there are more (--limit N, up to {}, or narrow with --status or --assignee)",
+            board::MAX_LIST_LIMIT
         );
     }
-    let tasks = reply.tasks;
     if out.json {
         return out.json(&tasks);
     }
