@@ -132,16 +132,19 @@ fn sigterm_while_booting_is_a_clean_stop() {
 
 #[test]
 fn a_malformed_config_exits_2_with_one_line_naming_the_key() {
-    for (i, (keys, key)) in [
-        ("tick = \"100ms\"\nbogus_key = 1", "bogus_key"),
-        ("max_in_progress = \"many\"", "max_in_progress"),
-        ("tick = \"soon\"", "tick"),
+    // A working directory that is not there is a mistake in the config too, found at start.
+    let missing_cwd = "[assignees.w]\ncommand = [\"true\"]\ncwd = \"/nonexistent/work\"\n";
+    for (i, (keys, assignees, key)) in [
+        ("tick = \"100ms\"\nbogus_key = 1", "", "bogus_key"),
+        ("max_in_progress = \"many\"", "", "max_in_progress"),
+        ("tick = \"soon\"", "", "tick"),
+        ("", missing_cwd, "[assignees.w] cwd"),
     ]
     .into_iter()
     .enumerate()
     {
         let td = TestDir::new();
-        let config = td.write_config(keys, "");
+        let config = td.write_config(keys, assignees);
         let mut serve = Serve::start(&config, &format!("bad{i}"));
         let status = serve
             .wait_exit(SETTLE)

@@ -35,5 +35,10 @@ pub fn serve(cli: &Cli) -> Result<(), CliError> {
             _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
     };
-    supervisor::run(config, |_| {}, shutdown).map_err(|e| CliError::failure(e.to_string()))
+    supervisor::run(config, |_| {}, shutdown).map_err(|e| match e {
+        // A mistake in the config found only at start (a working directory not there) is
+        // one as much as a bad key is.
+        supervisor::SupervisorError::Config(_) => CliError::usage(e.to_string()),
+        _ => CliError::failure(e.to_string()),
+    })
 }
