@@ -5,11 +5,13 @@
 //! - once the process has been reaped, to whoever holds a pidfd of it: `PIDFD_GET_INFO` with
 //!   `PIDFD_INFO_EXIT` (Linux 6.15);
 //! - while it is a zombie (its parent reaps late, or never — some container inits), in
-//!   `/proc/<pid>/stat`'s `exit_code` (field 52). The kernel shows 0 there to a reader without
-//!   ptrace-read access to the process, which would pass for a clean exit, so it is believed
-//!   only when that access is certain: `CAP_SYS_PTRACE`, or the zombie's user and group ids
-//!   (real, effective, saved) all ours. And only while the pid still names the fingerprinted
-//!   process (a zombie's pid cannot be handed out again until it is reaped).
+//!   `/proc/<pid>/stat`'s `exit_code` (field 52). The kernel shows 0 there to a reader that
+//!   fails its ptrace-read check of the process (ids, capabilities in the target's namespace,
+//!   security modules), which would pass for a clean exit, so it is believed only when the
+//!   kernel has said yes to that very check (see [`may_read_exit`]). And only while the pid
+//!   still names the fingerprinted process (a zombie's pid cannot be handed out again until it
+//!   is reaped), and the process has exited whole (a leader that exits alone, its other
+//!   threads running on, shows `Z` with a code of 0: it is alive).
 //!
 //! Anything else is "unknown", never a guess.
 
@@ -65,10 +67,10 @@ fn from_pidfd_info(pidfd: &PidFd) -> Option<ExitStatus> {
 }
 
 fn from_zombie(pid: Pid, fp: &Fingerprint) -> Zombie {
-    // The ids first, the stat second: a stat that still shows our zombie proves the pid named
-    // it all along (it held the pid from its start and cannot give it up before its reap), so
-    // the ids were its own too.
-    let ids = read_ids(pid);
+    // The access check first, the stat second: a stat that still shows our zombie proves the
+    // pid named it all along (it held the pid from its start and cannot give it up before its
+    // reap), so the check was about it too.
+    let readable = may_read_exit(pid);
     let stat = match read_stat(pid) {
         Ok(stat) => stat,
         Err(ProcessError::NoSuchProcess { .. }) => return Zombie::Gone,
@@ -77,18 +79,26 @@ fn from_zombie(pid: Pid, fp: &Fingerprint) -> Zombie {
     if stat.start_ticks != fp.start_ticks {
         return Zombie::Gone;
     }
-    if !stat.is_zombie() {
+    if !stat.is_zombie() || !readable {
         return Zombie::Untold;
     }
-    let (Some(code), Some(ids)) = (stat.exit_code, ids) else {
-        return Zombie::Untold;
-    };
-    if !(may_trace_any() || ids.all_are(ours())) {
-        return Zombie::Untold;
-    }
-    match decode(code) {
+    match stat.exit_code.and_then(decode) {
         Some(status) => Zombie::Status(status),
         None => Zombie::Untold,
+    }
+}
+
+/// Whether the kernel shows us the exited `pid`'s real exit code. It does to a reader that
+/// passes its ptrace-read check of the process (`PTRACE_MODE_READ_FSCREDS`), and shows 0 to
+/// anyone else. The same check guards the `/proc/<pid>/cwd` link, and a process that has
+/// exited has no working directory left: its link gives ENOENT past the check and EACCES at
+/// it. So ENOENT is a yes; anything else — EACCES, a directory (not exited), another error —
+/// a no. Asking the kernel, rather than guessing from ids and capabilities, also covers
+/// security modules' ptrace rules and capabilities held in another user namespace.
+fn may_read_exit(pid: Pid) -> bool {
+    match std::fs::read_link(format!("/proc/{pid}/cwd")) {
+        Err(e) => e.raw_os_error() == Some(libc::ENOENT),
+        Ok(_) => false,
     }
 }
 
@@ -101,51 +111,6 @@ fn decode(status: i32) -> Option<ExitStatus> {
     } else {
         None
     }
-}
-
-/// Real, effective and saved user and group ids (the `Uid:` and `Gid:` lines of
-/// `/proc/<pid>/status`).
-struct Ids {
-    uids: [u32; 3],
-    gids: [u32; 3],
-}
-
-impl Ids {
-    fn all_are(&self, (uid, gid): (u32, u32)) -> bool {
-        self.uids.iter().all(|&u| u == uid) && self.gids.iter().all(|&g| g == gid)
-    }
-}
-
-fn read_ids(pid: Pid) -> Option<Ids> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let three = |key: &str| -> Option<[u32; 3]> {
-        let line = text.lines().find_map(|l| l.strip_prefix(key))?;
-        let mut ids = line.split_ascii_whitespace().map(|f| f.parse().ok());
-        Some([ids.next()??, ids.next()??, ids.next()??])
-    };
-    Some(Ids {
-        uids: three("Uid:")?,
-        gids: three("Gid:")?,
-    })
-}
-
-/// The ids the kernel compares a zombie's with for a ptrace-read check of ours (the
-/// filesystem ids, which follow the effective ones: runwarden never sets them apart).
-fn ours() -> (u32, u32) {
-    // SAFETY: getters without arguments; they cannot fail.
-    unsafe { (libc::geteuid(), libc::getegid()) }
-}
-
-/// Whether we hold `CAP_SYS_PTRACE` (bit 19 of `CapEff` in `/proc/self/status`).
-fn may_trace_any() -> bool {
-    const CAP_SYS_PTRACE: u32 = 19;
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|text| {
-            let hex = text.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
-            u64::from_str_radix(hex.trim(), 16).ok()
-        })
-        .is_some_and(|caps| caps & (1 << CAP_SYS_PTRACE) != 0)
 }
 
 #[cfg(test)]
@@ -255,6 +220,67 @@ mod tests {
                 "{script} (PIDFD_INFO_EXIT needs Linux 6.15)"
             );
             parent.wait().unwrap();
+        }
+    }
+
+    /// A leader that exited alone shows `Z` with a code of 0 while its other threads run on:
+    /// no exit to tell.
+    #[test]
+    fn a_leader_whose_other_threads_run_has_no_exit_status() {
+        let left = crate::process::testutil::ThreadsLeft::start();
+        let fp = fingerprint(left.0).expect("its fingerprint");
+        let stat = read_stat(left.0).unwrap();
+        assert_eq!((stat.state, stat.exit_code), ('Z', Some(0)));
+        assert_eq!(of_zombie(left.0, &fp), None);
+        let pidfd = PidFd::open(left.0).unwrap();
+        assert_eq!(of_exited_stranger(&pidfd, &fp), None);
+    }
+
+    /// A reader the kernel does not let see a zombie's exit code is shown 0 — a clean exit to
+    /// look at — and must not believe it. Needs root (to drop to another user), as CI has.
+    #[test]
+    fn a_reader_without_access_is_never_told_a_clean_exit() {
+        let (pid, mut parent) = stranger("exit 7", "read x; wait");
+        let fp = fingerprint(pid).expect("its fingerprint");
+        assert!(
+            poll(|| read_stat(pid).is_ok_and(|s| s.is_zombie()).then_some(())).is_some(),
+            "never a zombie"
+        );
+        assert_eq!(of_zombie(pid, &fp), Some(ExitStatus::Code(7)), "as root");
+        // A reader that runs as nobody, in a child of ours.
+        // SAFETY: the child makes system calls, reads /proc and exits with _exit; it never
+        // returns into the test harness.
+        let reader = unsafe { libc::fork() };
+        assert!(reader >= 0, "fork");
+        if reader == 0 {
+            let code = unsafe {
+                if libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setgid(65534) != 0
+                    || libc::setuid(65534) != 0
+                {
+                    2 // not root: the test cannot run its scenario
+                } else if read_stat(pid).ok().map(|s| s.exit_code) != Some(Some(0)) {
+                    3 // the kernel showed the code: nothing to test
+                } else if of_zombie(pid, &fp).is_some() {
+                    1
+                } else {
+                    0
+                }
+            };
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        assert_eq!(unsafe { libc::waitpid(reader, &mut status, 0) }, reader);
+        drop(parent.stdin.take());
+        parent.wait().unwrap();
+        assert!(libc::WIFEXITED(status), "reader status {status:#x}");
+        match libc::WEXITSTATUS(status) {
+            0 => {}
+            1 => panic!("a reader without access believed the 0 it was shown"),
+            2 => panic!("cannot drop to uid 65534: this test needs root"),
+            3 => panic!("the kernel showed the exit code to uid 65534: no denied read to test"),
+            other => panic!("reader exited {other}"),
         }
     }
 

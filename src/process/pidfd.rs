@@ -455,6 +455,26 @@ mod tests {
         ));
     }
 
+    /// A leader that exited alone (`pthread_exit` in main) while another of its threads runs
+    /// shows `Z` in `/proc`: alive, ours, its group alive — and signalled through its pidfd.
+    #[test]
+    fn a_leader_whose_other_threads_run_is_alive_and_ours() {
+        let left = crate::process::testutil::ThreadsLeft::start();
+        let pid = left.0;
+        let fp = fingerprint(pid).unwrap();
+        let stat = crate::process::read_stat(pid).unwrap();
+        assert_eq!((stat.state, stat.threads), ('Z', 2));
+        assert_eq!(crate::process::liveness(pid, &fp), Liveness::Alive);
+        assert!(group_alive(pid));
+        let Ok(Verified::Ours(pidfd)) = open_verified(pid, &fp) else {
+            panic!("not ours: {:?}", open_verified(pid, &fp).map(|_| ()));
+        };
+        pidfd.signal_group(Signal::SIGKILL).unwrap();
+        assert!(wait_until(Duration::from_secs(10), || {
+            crate::process::read_stat(pid).is_ok_and(|s| s.is_zombie())
+        }));
+    }
+
     #[test]
     fn poll_millis_rounds_up_and_clamps() {
         assert_eq!(poll_millis(Duration::ZERO), 0);

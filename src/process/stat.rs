@@ -26,6 +26,9 @@ pub struct ProcStat {
     pub session: Pid,
     /// Field 9: the kernel's flags for the task (`PF_*`; see [`ProcStat::is_kernel_thread`]).
     pub flags: u64,
+    /// Field 20: the number of threads not yet released — all of them while the process
+    /// runs; a zombie that is nothing but its exited leader counts 1.
+    pub threads: u32,
     /// Field 22: start time after boot, in clock ticks. Together with the boot id it names one
     /// process for the life of the machine, which a pid alone does not.
     pub start_ticks: u64,
@@ -45,9 +48,12 @@ impl ProcStat {
         self.flags & PF_KTHREAD != 0
     }
 
-    /// True for a process that has exited: a zombie (`Z`) or one being torn down (`X`).
+    /// True for a process that has exited: a zombie (`Z`) or one being torn down (`X`) — all
+    /// of it. The line is the thread-group leader's, and a leader that exits alone
+    /// (`pthread_exit` in `main`) shows `Z` while its other threads run on: the process is
+    /// alive (it can be signalled, it keeps its pid), and only its thread count tells.
     pub fn is_zombie(&self) -> bool {
-        matches!(self.state, 'Z' | 'X')
+        matches!(self.state, 'Z' | 'X') && self.threads <= 1
     }
 }
 
@@ -57,6 +63,7 @@ const PPID: usize = 1;
 const PGRP: usize = 2;
 const SESSION: usize = 3;
 const FLAGS: usize = 9 - 3;
+const NUM_THREADS: usize = 20 - 3;
 const STARTTIME: usize = 22 - 3;
 const POLICY: usize = 41 - 3;
 const EXIT_CODE: usize = 52 - 3;
@@ -98,6 +105,7 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, ProcessError> {
         pgrp: parse_num(fields[PGRP], "pgrp").map_err(bad)?,
         session: parse_num(fields[SESSION], "session").map_err(bad)?,
         flags: parse_num(fields[FLAGS], "flags").map_err(bad)?,
+        threads: parse_num(fields[NUM_THREADS], "num_threads").map_err(bad)?,
         start_ticks: parse_num(fields[STARTTIME], "starttime").map_err(bad)?,
         policy: fields
             .get(POLICY)
@@ -206,6 +214,7 @@ mod tests {
             pgrp: 4242,
             session: 4100,
             flags: 4194304,
+            threads: 1,
             start_ticks: 987654,
             policy: Some(0),
             exit_code: Some(0),
@@ -281,6 +290,11 @@ mod tests {
         let stat = parse_stat(&text).unwrap();
         assert_eq!(stat.state, 'Z');
         assert!(stat.is_zombie());
+        // A leader that exited alone, its other thread still running: alive.
+        let text = text.replacen(" 20 0 1 0 987654 ", " 20 0 2 0 987654 ", 1);
+        let stat = parse_stat(&text).unwrap();
+        assert_eq!((stat.state, stat.threads), ('Z', 2));
+        assert!(!stat.is_zombie());
     }
 
     #[test]

@@ -52,3 +52,61 @@ pub(crate) fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> b
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Our child whose main thread has exited (alone, as `pthread_exit` in main does) while another thread of it runs
+/// on, leader of its own process group: `/proc` shows it `Z`, and it is alive. Killed (by the
+/// pid of our unreaped child, which cannot name anyone else) and reaped on drop.
+pub(crate) struct ThreadsLeft(pub super::Pid);
+
+impl ThreadsLeft {
+    pub(crate) fn start() -> ThreadsLeft {
+        extern "C" fn park(_: *mut libc::c_void) -> *mut libc::c_void {
+            loop {
+                // SAFETY: pause has no preconditions.
+                unsafe { libc::pause() };
+            }
+        }
+        // SAFETY: the child only makes system calls and glibc thread calls (both fine after
+        // fork), and never returns into the test harness: a raw exit(2) ends its main thread
+        // alone (pthread_exit would unwind through the harness's frames), _exit ends it if the
+        // thread cannot be made.
+        unsafe {
+            match libc::fork() {
+                -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+                0 => {
+                    libc::setpgid(0, 0);
+                    let mut thread: libc::pthread_t = 0;
+                    if libc::pthread_create(
+                        &mut thread,
+                        std::ptr::null(),
+                        park,
+                        std::ptr::null_mut(),
+                    ) != 0
+                    {
+                        libc::_exit(99);
+                    }
+                    libc::syscall(libc::SYS_exit, 0);
+                    libc::_exit(98);
+                }
+                pid => {
+                    let left = ThreadsLeft(pid);
+                    let exited = wait_until(Duration::from_secs(10), || {
+                        super::read_stat(pid).is_ok_and(|s| s.state == 'Z')
+                    });
+                    assert!(exited, "the child's main thread never exited");
+                    left
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ThreadsLeft {
+    fn drop(&mut self) {
+        // SAFETY: kill and waitpid on our own unreaped child.
+        unsafe {
+            libc::kill(self.0, libc::SIGKILL);
+            libc::waitpid(self.0, std::ptr::null_mut(), 0);
+        }
+    }
+}
