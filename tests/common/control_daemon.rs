@@ -337,6 +337,12 @@ impl RawConn {
         self.writer.write_all(bytes).expect("write");
     }
 
+    /// Sends bytes as they are, when the daemon may already have refused and closed the
+    /// connection (its refusal line is still there to read).
+    pub fn try_send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.writer.write_all(bytes)
+    }
+
     /// Sends `hello` and checks the answer.
     pub fn hello(&mut self) {
         self.send(b"{\"id\":0,\"op\":\"hello\",\"version\":\"1.0\"}\n");
