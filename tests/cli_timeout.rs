@@ -1,7 +1,8 @@
 //! An operator's command against a supervisor that does not answer (here: stopped with
 //! SIGSTOP) gives up after `RUNWARDEN_TIMEOUT` with exit 124 and one line saying so, instead
 //! of hanging a script for ever; `events --follow` is not cut off by a quiet stretch longer
-//! than that timeout, and goes on once the supervisor answers again.
+//! than that timeout, and goes on once the supervisor answers again. A `RUNWARDEN_TIMEOUT`
+//! that is not a duration is refused (exit 2), not silently replaced by the default.
 
 #[allow(dead_code)]
 mod common;
@@ -59,7 +60,8 @@ fn an_unanswering_supervisor_times_out_operator_commands_but_not_followers() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(124), "{stderr}");
     assert!(
-        stderr.contains("no answer from the supervisor within 1s"),
+        stderr.contains("no answer from the supervisor within 1s")
+            && stderr.contains("may still be carried out"),
         "{stderr}"
     );
     assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
@@ -73,5 +75,30 @@ fn an_unanswering_supervisor_times_out_operator_commands_but_not_followers() {
         sees_created(&id),
         "the follower stopped following during the pause"
     );
+    d.assert_healthy();
+}
+
+#[test]
+fn a_timeout_that_is_not_a_duration_is_refused() {
+    let mut d = Daemon::start("", "");
+    let socket = d.socket.to_str().unwrap().to_string();
+    for bad in ["5", "soon", "-1s"] {
+        let mut cmd = command();
+        cmd.env("RUNWARDEN_TIMEOUT", bad)
+            .args(["--socket", &socket, "status"]);
+        let out = run(cmd);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(
+            stderr.contains("RUNWARDEN_TIMEOUT") && stderr.contains("not a duration"),
+            "{bad}: {stderr}"
+        );
+    }
+    for good in ["0s", "0", "2m", " 30s "] {
+        let mut cmd = command();
+        cmd.env("RUNWARDEN_TIMEOUT", good)
+            .args(["--socket", &socket, "status"]);
+        ok(&run(cmd));
+    }
     d.assert_healthy();
 }

@@ -191,9 +191,14 @@ impl From<ClientError> for CliError {
         match e {
             ClientError::Timeout => CliError {
                 message: format!(
-                    "no answer from the supervisor within {} (stopped or overloaded?); \
-                     {TIMEOUT_ENV} sets how long to wait",
-                    humantime::format_duration(reply_timeout().unwrap_or_default())
+                    "no answer from the supervisor within {} (stopped or overloaded?); a \
+                     request it was sent may still be carried out; {TIMEOUT_ENV} sets how \
+                     long to wait",
+                    reply_timeout()
+                        .ok()
+                        .flatten()
+                        .map(|t| humantime::format_duration(t).to_string())
+                        .unwrap_or_default()
                 ),
                 code: EXIT_TIMEOUT,
             },
@@ -203,13 +208,17 @@ impl From<ClientError> for CliError {
 }
 
 /// [`REPLY_TIMEOUT`], or `$RUNWARDEN_TIMEOUT` (`None`: wait for ever). A value that does not
-/// parse is ignored (the default applies).
-pub fn reply_timeout() -> Option<Duration> {
-    let wait = std::env::var(TIMEOUT_ENV)
-        .ok()
-        .and_then(|v| humantime::parse_duration(v.trim()).ok())
-        .unwrap_or(REPLY_TIMEOUT);
-    (!wait.is_zero()).then_some(wait)
+/// parse is a usage error: a typo must not silently leave the default in force.
+pub fn reply_timeout() -> Result<Option<Duration>, CliError> {
+    let wait = match std::env::var(TIMEOUT_ENV) {
+        Ok(v) if !v.trim().is_empty() => humantime::parse_duration(v.trim()).map_err(|e| {
+            CliError::usage(format!(
+                "{TIMEOUT_ENV}={v:?} is not a duration ({e}); e.g. 30s, 2m, or 0s to wait for ever"
+            ))
+        })?,
+        _ => REPLY_TIMEOUT,
+    };
+    Ok((!wait.is_zero()).then_some(wait))
 }
 
 /// Loads the config the global flags name.
@@ -248,8 +257,10 @@ pub fn socket_path(cli: &Cli) -> Result<PathBuf, CliError> {
 /// [`reply_timeout`].
 pub fn connect(cli: &Cli) -> Result<Client, CliError> {
     let path = socket_path(cli)?;
+    let timeout = reply_timeout()?;
     let mut client = Client::connect(&path)?;
-    client.set_read_timeout(reply_timeout())?;
+    client.set_read_timeout(timeout)?;
+    client.set_write_timeout(timeout)?;
     client.hello()?;
     Ok(client)
 }

@@ -152,6 +152,16 @@ impl Client {
             .map_err(ClientError::Io)
     }
 
+    /// Sets how long a send may wait for room in the socket (None: forever): a supervisor
+    /// that stopped reading leaves a large request blocked otherwise. A send that times out
+    /// is [`ClientError::Timeout`]; what it wrote of the request may have been sent.
+    pub fn set_write_timeout(&self, timeout: Option<Duration>) -> Result<(), ClientError> {
+        self.writer
+            .get_ref()
+            .set_write_timeout(timeout)
+            .map_err(ClientError::Io)
+    }
+
     /// Queues a request (buffered) and returns the id it was given.
     pub fn send(&mut self, req: &Request) -> Result<RequestId, ClientError> {
         let id = RequestId::Num(self.next_id);
