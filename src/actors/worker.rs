@@ -343,16 +343,20 @@ impl WorkerActor {
 
     /// The exit of a worker adopted from a previous incarnation: not our child, so its parent
     /// (init, or a subreaper) reaps it, but the kernel may still tell its status
-    /// (`process::exit_status`; it reads `/proc`, so off this thread). Unknown otherwise.
+    /// (`process::exit_status`; it reads `/proc`, so off this thread: on a thread of its own,
+    /// not the blocking pool, where stuck probes could hold it up, and answered within
+    /// [`EXIT_PROBE_WAIT`]). Unknown otherwise.
     fn on_adopted_exit(&mut self, pidfd: Arc<PidFd>, ctx: &mut Context<Self>) {
         let (probe, fp, run_id) = (pidfd.clone(), self.fingerprint.clone(), self.run_id());
         async move {
-            actix_rt::task::spawn_blocking(move || {
+            let read = super::proc_thread::run("adopted exit status", move || {
                 fp.and_then(|fp| process::exit_status::of_exited_stranger(&probe, &fp))
-            })
-            .await
-            .ok()
-            .flatten()
+            });
+            tokio::time::timeout(EXIT_PROBE_WAIT, read)
+                .await
+                .ok()
+                .flatten()
+                .flatten()
         }
         .into_actor(self)
         .map(move |status, act, ctx| {
