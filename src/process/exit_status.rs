@@ -8,7 +8,7 @@
 //!   `/proc/<pid>/stat`'s `exit_code` (field 52). The kernel shows 0 there to a reader that
 //!   fails its ptrace-read check of the process (ids, capabilities in the target's namespace,
 //!   security modules), which would pass for a clean exit, so it is believed only when the
-//!   kernel has said yes to that very check (see [`may_read_exit`]). And only while the pid
+//!   kernel has said yes to that very check (see `may_read_exit`). And only while the pid
 //!   still names the fingerprinted process (a zombie's pid cannot be handed out again until it
 //!   is reaped), and the process has exited whole (a leader that exits alone, its other
 //!   threads running on, shows `Z` with a code of 0: it is alive).
