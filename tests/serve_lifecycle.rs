@@ -1,6 +1,7 @@
 //! `runwarden serve` as a real process: one supervisor per data dir, clean stops on SIGTERM
 //! and SIGINT, config errors as one line with exit 2, the shipped `config.toml` works, and
-//! `shutdown = "leave"` / `"terminate"` do what they say to live workers.
+//! `shutdown = "leave"` / `"terminate"` do what they say to live workers; tasks waiting for
+//! an assignee the config lost are reported at start and by `status`.
 
 #[allow(dead_code)]
 mod common;
@@ -283,4 +284,48 @@ fn shutdown_terminate_ends_workers_and_releases_their_runs() {
     assert!(task_event(&mut board, id, "reclaimed").is_some());
     assert!(task_event(&mut board, id, "worker_exited").is_some());
     assert_cleaned_up(&td, false);
+}
+
+/// Tasks left waiting for an assignee the config no longer has never run: `serve` says so once
+/// at start (naming the assignee and the count), and `status` says it on request.
+#[test]
+fn tasks_for_an_assignee_the_config_lost_are_reported() {
+    use common::control_daemon::{command, ok, ok_json, run};
+    let td = TestDir::new();
+    fs::create_dir_all(td.data_dir()).unwrap();
+    add_to_board(&td.db_path(), "gone");
+    add_to_board(&td.db_path(), "gone");
+    let config = td.write_config("", "[assignees.w]\ncommand = [\"true\"]\n");
+    let mut serve = Serve::start(&config, "lost");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    let warned = wait_until(SETTLE, || {
+        serve.stderr().lines().any(|l| {
+            l.contains("WARN")
+                && l.contains("assignee the config does not have")
+                && l.contains("assignee=gone")
+                && l.contains("tasks=2")
+        })
+    });
+    assert!(warned, "no warning naming `gone`:\n{}", serve.stderr());
+    let status = |json: bool| {
+        let mut cmd = command();
+        cmd.arg("--socket").arg(td.socket_path()).arg("status");
+        if json {
+            cmd.arg("--json");
+        }
+        run(cmd)
+    };
+    let reply = ok_json(&status(true));
+    assert_eq!(
+        reply["unconfigured_assignees"],
+        serde_json::json!({"gone": 2}),
+        "{reply}"
+    );
+    let text = ok(&status(false));
+    assert!(
+        text.contains("2 for assignee `gone`, which the config does not have"),
+        "{text}"
+    );
+    // Nothing claimed them.
+    assert_eq!(reply["counts"]["ready"], 2, "{reply}");
 }

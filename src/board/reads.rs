@@ -247,6 +247,17 @@ impl Tx<'_> {
         Ok(counts)
     }
 
+    /// Tasks waiting to be claimed (`todo` or `ready`), counted by assignee; unassigned ones
+    /// are left out. For telling operators about tasks no configured assignee will ever run.
+    pub fn waiting_by_assignee(&self) -> Result<BTreeMap<String, i64>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT assignee, count(*) FROM tasks WHERE status IN ('todo', 'ready') \
+             AND assignee IS NOT NULL GROUP BY assignee",
+        )?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
     /// Runs holding a worker slot, per assignee: what the caps count, since `max_in_progress`
     /// bounds live workers. Open runs (a previous incarnation's too), and closed runs whose
     /// worker may still be alive (it reported and has not exited yet, it is being ended) or is

@@ -34,6 +34,11 @@ pub fn status(cli: &Cli, out: Out) -> Result<(), CliError> {
         })
         .collect();
     line(&format!("tasks       {}", counts.join("  ")))?;
+    for (name, n) in &s.unconfigured_assignees {
+        line(&format!(
+            "waiting     {n} for assignee `{name}`, which the config does not have (they run once it is configured again)"
+        ))?;
+    }
     line(&format!("events      {} (last id)", s.last_event_id))?;
     if s.live_workers.is_empty() {
         return line("workers     none running");

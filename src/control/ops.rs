@@ -572,10 +572,17 @@ fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static,
         let live = services.live_workers().await;
         let counts = services
             .store
-            .read(|tx| Ok((tx.status_counts()?, tx.last_event_id()?)))
+            .read(|tx| {
+                Ok((
+                    tx.status_counts()?,
+                    tx.last_event_id()?,
+                    tx.waiting_by_assignee()?,
+                ))
+            })
             .await
             .map_err(OpError::from);
-        let result = counts.map(|(counts, last_event_id)| {
+        let result = counts.map(|(counts, last_event_id, mut waiting)| {
+            waiting.retain(|name, _| services.config.assignee(name).is_none());
             let uptime = services.started_at.elapsed();
             StatusReply {
                 pid: std::process::id(),
@@ -595,6 +602,7 @@ fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static,
                     })
                     .collect(),
                 counts,
+                unconfigured_assignees: waiting,
                 last_event_id,
             }
         });

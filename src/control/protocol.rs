@@ -667,6 +667,10 @@ pub struct StatusReply {
     pub live_workers: Vec<LiveWorker>,
     /// Tasks per status; every status is present.
     pub counts: BTreeMap<String, i64>,
+    /// Tasks waiting (`todo`, `ready`) for an assignee the config does not have, by assignee:
+    /// they do not run until it is configured again (or they are archived). Empty: omitted.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub unconfigured_assignees: BTreeMap<String, i64>,
     /// The newest event's id.
     pub last_event_id: EventId,
 }

@@ -676,6 +676,30 @@ impl Actor for DispatcherActor {
         ctx.run_interval(self.config.supervisor.tick, |act, ctx| act.tick(ctx));
         self.reconcile(ctx);
         self.pass(ctx);
+        self.warn_of_unconfigured_assignees(ctx);
+    }
+}
+
+impl DispatcherActor {
+    /// Tasks left waiting for an assignee the config no longer has never run (nothing claims
+    /// them): said once at start, as `status` says it on request.
+    fn warn_of_unconfigured_assignees(&self, ctx: &mut Context<Self>) {
+        let (store, config) = (self.store.clone(), self.config.clone());
+        ctx.spawn(
+            async move {
+                match store.read(|tx| tx.waiting_by_assignee()).await {
+                    Ok(waiting) => {
+                        for (name, tasks) in waiting {
+                            if config.assignee(&name).is_none() {
+                                tracing::warn!(assignee = %name, tasks, "tasks wait for an assignee the config does not have: they run once it is configured again (or archive them)");
+                            }
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "cannot count waiting tasks by assignee"),
+                }
+            }
+            .into_actor(self),
+        );
     }
 }
 
