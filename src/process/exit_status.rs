@@ -125,7 +125,8 @@ mod tests {
     /// Starts `script` in a grandchild of ours (so not our child) under a parent `sh` that then
     /// runs `then`: `read x; wait` leaves the grandchild a zombie until the parent's stdin is
     /// closed (`sh` reaps nobody while it reads), `wait` reaps it at once. Returns the
-    /// grandchild's pid and the parent.
+    /// grandchild's pid and the parent. `script` must outlive the parent's way into `read`
+    /// (it sleeps first): `sh` collects a finished background job between commands.
     fn stranger(script: &str, then: &str) -> (Pid, Child) {
         let mut parent = Command::new("sh")
             .arg("-c")
@@ -240,7 +241,7 @@ mod tests {
     /// look at — and must not believe it. Needs root (to drop to another user), as CI has.
     #[test]
     fn a_reader_without_access_is_never_told_a_clean_exit() {
-        let (pid, mut parent) = stranger("exit 7", "read x; wait");
+        let (pid, mut parent) = stranger("sleep 0.2; exit 7", "read x; wait");
         let fp = fingerprint(pid).expect("its fingerprint");
         assert!(
             poll(|| read_stat(pid).is_ok_and(|s| s.is_zombie()).then_some(())).is_some(),
@@ -286,7 +287,7 @@ mod tests {
 
     #[test]
     fn another_process_on_the_pid_is_never_read() {
-        let (pid, mut parent) = stranger("exit 3", "read x; wait");
+        let (pid, mut parent) = stranger("sleep 0.2; exit 3", "read x; wait");
         let fp = fingerprint(pid).expect("its fingerprint");
         assert!(
             poll(|| read_stat(pid).is_ok_and(|s| s.is_zombie()).then_some(())).is_some(),
