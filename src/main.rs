@@ -5,11 +5,22 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    use tracing_subscriber::EnvFilter;
+    // A filter that does not parse is said, not silently replaced: someone asked for debug
+    // logs and would otherwise wonder where they are.
+    let filter = match std::env::var("RUNWARDEN_LOG") {
+        Ok(text) if !text.trim().is_empty() => {
+            EnvFilter::try_new(text.trim()).unwrap_or_else(|e| {
+                eprintln!(
+                    "runwarden: RUNWARDEN_LOG={text:?} is not a log filter ({e}); logging at info"
+                );
+                EnvFilter::new("info")
+            })
+        }
+        _ => EnvFilter::new("info"),
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("RUNWARDEN_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         // Colour only for a person at a terminal; log files and pipes get plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -439,6 +439,17 @@ fn flags_anywhere_config_or_socket_and_plain_errors() {
     let (code, err) = failed(&run(cmd));
     assert_eq!(code, 1);
     assert!(err.contains("/nonexistent/rw.sock"), "{err}");
+    // A log filter that does not parse is said, and the command goes on (logging at info).
+    let mut cmd = command();
+    cmd.env("RUNWARDEN_LOG", "debug,x=[")
+        .args(["ls", "--socket", "/nonexistent/rw.sock"]);
+    let (code, err) = failed(&run(cmd));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("RUNWARDEN_LOG=\"debug,x=[\" is not a log filter")
+            && err.contains("/nonexistent/rw.sock"),
+        "{err}"
+    );
     assert!(!d.stderr_text().contains("panicked"));
 }
 
