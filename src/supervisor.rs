@@ -93,9 +93,23 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
         (config.logs_dir(), Some(0o700)),
         (config.work_dir(), Some(0o711)),
     ] {
-        std::fs::create_dir_all(&dir).map_err(|source| SupervisorError::Dir {
-            path: dir.clone(),
-            source,
+        std::fs::create_dir_all(&dir).map_err(|source| {
+            // "File exists" reads like success: say what is in the way.
+            if source.kind() == std::io::ErrorKind::AlreadyExists {
+                let what = if dir == config.supervisor.data_dir {
+                    "`supervisor.data_dir`"
+                } else {
+                    "inside the data dir"
+                };
+                return SupervisorError::Runtime(format!(
+                    "{} is not a directory ({what}): move the file away or choose another data_dir",
+                    dir.display()
+                ));
+            }
+            SupervisorError::Dir {
+                path: dir.clone(),
+                source,
+            }
         })?;
         let current = std::fs::metadata(&dir)
             .map(|m| m.permissions().mode() & 0o7777)

@@ -485,3 +485,20 @@ fn a_claim_ttl_under_two_ticks_is_refused() {
     );
     assert!(ok.is_ok(), "{ok:?}");
 }
+
+#[test]
+fn a_data_dir_that_is_a_file_is_named_as_such() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data");
+    std::fs::write(&file, "not a dir").unwrap();
+    let config = Config::with_data_dir(&file);
+    let message = match runwarden::Supervisor::start(config) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a supervisor started on a file as its data dir"),
+    };
+    assert!(
+        message.contains("is not a directory") && message.contains("supervisor.data_dir"),
+        "{message}"
+    );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a dir");
+}
