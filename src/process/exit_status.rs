@@ -11,7 +11,9 @@
 //!   kernel has said yes to that very check (see `may_read_exit`). And only while the pid
 //!   still names the fingerprinted process (a zombie's pid cannot be handed out again until it
 //!   is reaped), and the process has exited whole (a leader that exits alone, its other
-//!   threads running on, shows `Z` with a code of 0: it is alive).
+//!   threads running on, shows `Z` with a code of 0: it is alive). Before Linux 6.15 the field
+//!   could keep such a main thread's own 0 after another thread crashed the process, so it is
+//!   not read there.
 //!
 //! Anything else is "unknown", never a guess.
 
@@ -79,7 +81,7 @@ fn from_zombie(pid: Pid, fp: &Fingerprint) -> Zombie {
     if stat.start_ticks != fp.start_ticks {
         return Zombie::Gone;
     }
-    if !stat.is_zombie() || !readable {
+    if !stat.is_zombie() || !readable || !field_52_is_the_process_status() {
         return Zombie::Untold;
     }
     match stat.exit_code.and_then(decode) {
@@ -100,6 +102,29 @@ fn may_read_exit(pid: Pid) -> bool {
         Err(e) => e.raw_os_error() == Some(libc::ENOENT),
         Ok(_) => false,
     }
+}
+
+/// Whether a zombie's field 52 is its process's status. It is the main thread's own exit
+/// code, and until Linux 6.15 a main thread that exited before the rest of its process kept
+/// its own (0, from `pthread_exit`) there when another thread ended the process with a crash,
+/// a signal or a code — a crash that would read as a clean exit. Older kernels (some stable
+/// branches have the fix, which cannot be told from here) are not asked.
+fn field_52_is_the_process_status() -> bool {
+    static FIXED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FIXED.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .ok()
+            .and_then(|r| kernel_version(&r))
+            .is_some_and(|v| v >= (6, 15))
+    })
+}
+
+/// `(major, minor)` of a kernel release string such as `6.18.2-arch1`.
+fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.trim().split(['.', '-', '+']);
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
 }
 
 /// `waitpid`'s status word: an exit code or a terminating signal.
@@ -161,6 +186,16 @@ mod tests {
         ("sleep 0.2; exit 0", ExitStatus::Code(0)),
         ("sleep 0.2; kill -9 $$", ExitStatus::Signal(libc::SIGKILL)),
     ];
+
+    #[test]
+    fn kernel_versions_are_read_from_their_release() {
+        assert_eq!(kernel_version("6.18.0\n"), Some((6, 18)));
+        assert_eq!(kernel_version("6.15-rc1"), Some((6, 15)));
+        assert_eq!(kernel_version("5.10.0-28-amd64"), Some((5, 10)));
+        assert_eq!(kernel_version("6"), None);
+        assert_eq!(kernel_version("x.y"), None);
+        assert!((6, 14) < (6, 15) && (7, 0) > (6, 15));
+    }
 
     #[test]
     fn decodes_codes_and_signals() {
