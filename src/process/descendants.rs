@@ -276,9 +276,30 @@ fn pid_max() -> Option<Pid> {
         .ok()
 }
 
-/// `/proc/<pid>/environ`, or `None` if it cannot be read.
+/// `/proc/<pid>/environ`, or `None` if it cannot be read. A process whose main thread has
+/// exited alone (`pthread_exit` in main; its other threads run on) shows no environment
+/// through its main thread; it is the whole process's, so it is read through a thread that
+/// still runs.
 fn read_environ(pid: Pid) -> Option<Vec<u8>> {
-    fs::read(format!("/proc/{pid}/environ")).ok()
+    let env = fs::read(format!("/proc/{pid}/environ"));
+    if env.as_ref().is_ok_and(|e| !e.is_empty()) {
+        return env.ok();
+    }
+    let main_thread_gone =
+        super::read_stat(pid).is_ok_and(|s| matches!(s.state, 'Z' | 'X') && !s.is_zombie());
+    if !main_thread_gone {
+        return env.ok();
+    }
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<Pid>().ok())
+        .filter(|&tid| tid != pid)
+        .find_map(|tid| {
+            fs::read(format!("/proc/{pid}/task/{tid}/environ"))
+                .ok()
+                .filter(|e| !e.is_empty())
+        })
 }
 
 /// Signals one straggler: its whole group when it leads one (a `setsid` escapee does), else
@@ -482,6 +503,25 @@ pub fn terminate_tree(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A process whose main thread exited alone still carries its environment (it is alive):
+    /// found by it, through a thread that runs on.
+    #[test]
+    fn a_process_whose_main_thread_exited_alone_is_found_by_its_environment() {
+        // The child is forked: its environment is ours as we started.
+        let ours = fs::read("/proc/self/environ").unwrap();
+        let needle = ours
+            .split(|&b| b == 0)
+            .find(|v| !v.is_empty())
+            .expect("a variable in our environment")
+            .to_vec();
+        let left = crate::process::testutil::ThreadsLeft::start();
+        assert_eq!(carries_now(left.0, &needle), Some(true));
+        assert_eq!(
+            carries_now(left.0, b"RUNWARDEN_RUN_TOKEN=nobody's"),
+            Some(false)
+        );
+    }
 
     #[test]
     fn run_vars_reads_token_and_run_id_once() {
