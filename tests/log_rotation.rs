@@ -119,6 +119,56 @@ fn a_live_workers_log_is_rotated_on_the_tick_and_it_keeps_writing() {
     sup.shutdown();
 }
 
+/// A crash quotes its own run's output only; when the log was rotated while the run went on,
+/// all of the fresh log is the run's, wherever the run's output began before.
+#[test]
+fn a_crash_after_a_rotation_quotes_the_runs_last_output() {
+    let td = TestDir::new();
+    let gate = td.path().join("gate");
+    let mut config = lib_config(&td);
+    config.supervisor.log_max_bytes = MAX;
+    config.retries.backoff = std::time::Duration::from_millis(50);
+    // Run 1 writes 601 bytes and crashes. Run 2 starts at 601 bytes into the log, writes
+    // enough for the tick to rotate it, then (after the gate) 701 bytes more, and crashes.
+    let mut a = AssigneeConfig::new([
+        "sh",
+        "-c",
+        r#"if [ ! -e "$MARK" ]; then
+             : > "$MARK"; head -c 600 /dev/zero | tr '\0' A; echo; exit 3
+           fi
+           head -c 2000 /dev/zero | tr '\0' B; echo
+           while [ ! -e "$GATE" ]; do sleep 0.02; done
+           head -c 301 /dev/zero | tr '\0' E; head -c 399 /dev/zero | tr '\0' F; echo
+           exit 3"#,
+    ]);
+    a.max_retries = Some(1);
+    a.env.insert("GATE".into(), gate.display().to_string());
+    a.env
+        .insert("MARK".into(), td.path().join("mark").display().to_string());
+    config.assignees.insert("w".into(), a);
+    let sup = Supervisor::start(config).expect("start the supervisor");
+
+    let id = add(&sup, "w");
+    let (log, backup) = logs(&td, id);
+    assert!(
+        wait_until(SETTLE, || fs::read_to_string(&backup)
+            .is_ok_and(|b| b.ends_with(&format!("{}\n", "B".repeat(100))))
+            && fs::metadata(&log).is_ok_and(|m| m.len() < MAX)),
+        "run 2's log never rotated"
+    );
+    fs::write(&gate, "").expect("open the gate");
+    let task = sup.wait_for(id, SETTLE).expect("task settles");
+    assert_eq!(task.status, TaskStatus::Blocked);
+    let runs = sup.task(id).expect("task detail").runs;
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(
+        runs[1].error.as_deref(),
+        Some(format!("exited with code 3; log tail: {}", "F".repeat(399)).as_str()),
+        "the last 400 bytes of the run's output"
+    );
+    sup.shutdown();
+}
+
 #[test]
 fn a_link_in_a_logs_place_is_never_followed() {
     let td = TestDir::new();

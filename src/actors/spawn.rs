@@ -48,6 +48,8 @@ pub struct Spawned {
     /// The log's size when this worker got it: what this run wrote starts there (the file is
     /// the task's, shared by its attempts), so a crash quotes this run's output only.
     pub log_start: u64,
+    /// The log's rotation then ([`log_generation`]): a rotation since starts the log over.
+    pub log_generation: Option<String>,
 }
 
 /// A few dedicated threads that start workers, shared by every WorkerActor of a supervisor.
@@ -176,6 +178,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         })?;
     }
     let (log, log_start) = open_log(&spec.log_path, spec.log_max_bytes)?;
+    let log_generation = log_generation(&spec.log_path);
 
     // A bare name is looked up here, in the PATH the worker will have: execve does not search
     // PATH, and std, given a PATH of the child's own, would fork the whole supervisor (a large,
@@ -289,6 +292,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         pidfd,
         fingerprint,
         log_start,
+        log_generation,
     })
 }
 

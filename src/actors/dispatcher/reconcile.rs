@@ -400,6 +400,7 @@ impl DispatcherActor {
                         log_path: spec.log_path,
                         // Where its output starts was not kept: the whole log's tail.
                         log_start: 0,
+                        log_generation: None,
                         policy: policy.clone(),
                         claim_next: None,
                     }
