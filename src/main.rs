@@ -17,6 +17,10 @@ fn main() -> ExitCode {
                 EnvFilter::new("info")
             })
         }
+        Err(std::env::VarError::NotUnicode(text)) => {
+            eprintln!("runwarden: RUNWARDEN_LOG={text:?} is not a log filter; logging at info");
+            EnvFilter::new("info")
+        }
         _ => EnvFilter::new("info"),
     };
     tracing_subscriber::fmt()

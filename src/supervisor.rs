@@ -97,14 +97,14 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
             // "File exists" reads like success: say what is in the way.
             if source.kind() == std::io::ErrorKind::AlreadyExists {
                 let what = if dir == config.supervisor.data_dir {
-                    "`supervisor.data_dir`"
+                    ""
                 } else {
-                    "inside the data dir"
+                    " (inside the data dir)"
                 };
-                return SupervisorError::Runtime(format!(
-                    "{} is not a directory ({what}): move the file away or choose another data_dir",
+                return SupervisorError::Config(config.invalid(format!(
+                    "[supervisor] data_dir: {} is not a directory{what}; move the file away or choose another data_dir",
                     dir.display()
-                ));
+                )));
             }
             SupervisorError::Dir {
                 path: dir.clone(),

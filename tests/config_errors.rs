@@ -497,7 +497,7 @@ fn a_data_dir_that_is_a_file_is_named_as_such() {
         Ok(_) => panic!("a supervisor started on a file as its data dir"),
     };
     assert!(
-        message.contains("is not a directory") && message.contains("supervisor.data_dir"),
+        message.contains("is not a directory") && message.contains("[supervisor] data_dir"),
         "{message}"
     );
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a dir");

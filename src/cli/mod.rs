@@ -216,6 +216,11 @@ pub fn reply_timeout() -> Result<Option<Duration>, CliError> {
                 "{TIMEOUT_ENV}={v:?} is not a duration ({e}); e.g. 30s, 2m, or 0s to wait for ever"
             ))
         })?,
+        Err(std::env::VarError::NotUnicode(v)) => {
+            return Err(CliError::usage(format!(
+                "{TIMEOUT_ENV}={v:?} is not a duration; e.g. 30s, 2m, or 0s to wait for ever"
+            )));
+        }
         _ => REPLY_TIMEOUT,
     };
     Ok((!wait.is_zero()).then_some(wait))

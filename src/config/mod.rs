@@ -372,7 +372,7 @@ impl Config {
     }
 
     /// An `Invalid` error about this config (its file, or [`IN_CODE`]).
-    fn invalid(&self, message: String) -> ConfigError {
+    pub(crate) fn invalid(&self, message: String) -> ConfigError {
         ConfigError::Invalid {
             path: self.path.clone().unwrap_or_else(|| PathBuf::from(IN_CODE)),
             message,
