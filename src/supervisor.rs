@@ -95,14 +95,19 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
     ] {
         std::fs::create_dir_all(&dir).map_err(|source| {
             // "File exists" reads like success: say what is in the way.
-            if source.kind() == std::io::ErrorKind::AlreadyExists {
+            let problem = match source.kind() {
+                std::io::ErrorKind::AlreadyExists => "is not a directory",
+                std::io::ErrorKind::NotADirectory => "has a file, not a directory, on its path",
+                _ => "",
+            };
+            if !problem.is_empty() {
                 let what = if dir == config.supervisor.data_dir {
                     ""
                 } else {
                     " (inside the data dir)"
                 };
                 return SupervisorError::Config(config.invalid(format!(
-                    "[supervisor] data_dir: {} is not a directory{what}; move the file away or choose another data_dir",
+                    "[supervisor] data_dir: {} {problem}{what}; move the file away or choose another data_dir",
                     dir.display()
                 )));
             }

@@ -501,4 +501,14 @@ fn a_data_dir_that_is_a_file_is_named_as_such() {
         "{message}"
     );
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "not a dir");
+    // A file further up its path.
+    let config = Config::with_data_dir(file.join("below"));
+    let message = match runwarden::Supervisor::start(config) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a supervisor started below a file"),
+    };
+    assert!(
+        message.contains("has a file, not a directory, on its path"),
+        "{message}"
+    );
 }

@@ -177,8 +177,11 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
             )
         })?;
     }
-    let (log, log_start) = open_log(&spec.log_path, spec.log_max_bytes)?;
+    // The rotation first, the size second: a rotation between the two (by the tick, or by
+    // open_log itself) then shows as a changed generation at the crash, and the quote starts
+    // at 0 — never at an offset from before a rotation the generation does not show.
     let log_generation = log_generation(&spec.log_path);
+    let (log, log_start) = open_log(&spec.log_path, spec.log_max_bytes)?;
 
     // A bare name is looked up here, in the PATH the worker will have: execve does not search
     // PATH, and std, given a PATH of the child's own, would fork the whole supervisor (a large,
