@@ -33,6 +33,10 @@ command = ["sh", "-c", "sleep 0.3"]
 [assignees.failing]
 command = ["sh", "-c", "exit 3"]
 max_retries = 0
+
+[assignees.noisy]
+command = ["sh", "-c", "printf 'first line of the trouble\\n\\033[31mred\\033[0m and the disk is full: no space left on device\\n'; exit 4"]
+max_retries = 0
 "#
     )
 }
@@ -351,6 +355,23 @@ fn wait_exit_codes() {
     let (code, err) = failed(&d.cli(&["wait", &bad.to_string(), "--timeout", "30s"]));
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("blocked"), "{err}");
+
+    // `show` cuts notes to the table's column, and prints the newest run's whole, with the
+    // worker's control characters taken out and its lines indented.
+    // Nor do a title's or a comment's.
+    let noisy = id_of(&d.cli(&["add", "fails \x1b[2Jloudly", "-a", "noisy"]));
+    failed(&d.cli(&["wait", &noisy.to_string(), "--timeout", "30s"]));
+    ok(&d.cli(&["comment", &noisy.to_string(), "see \x1b]0;title\x07 here"]));
+    let text = ok(&d.cli(&["show", &noisy.to_string()]));
+    assert!(
+        text.contains("note: exited with code 4; log tail: first line of the trouble\n    ")
+            && text.contains("red [0m and the disk is full: no space left on device"),
+        "{text}"
+    );
+    assert!(!text.contains('\x1b') && !text.contains('\x07'), "{text:?}");
+    assert!(text.contains("fails  [2Jloudly") && text.contains("see  ]0;title  here"));
+    let listed = ok(&d.cli(&["ls"]));
+    assert!(!listed.contains('\x1b'), "{listed:?}");
 
     let never = id_of(&d.cli(&["add", "no assignee"]));
     let (code, err) = failed(&d.cli(&["wait", &never.to_string(), "--timeout", "300ms"]));

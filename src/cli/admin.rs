@@ -36,7 +36,8 @@ pub fn status(cli: &Cli, out: Out) -> Result<(), CliError> {
     line(&format!("tasks       {}", counts.join("  ")))?;
     for (name, n) in &s.unconfigured_assignees {
         line(&format!(
-            "waiting     {n} for assignee `{name}`, which the config does not have (they run once it is configured again)"
+            "waiting     {n} for assignee `{}`, which the config does not have (they run once it is configured again)",
+            super::output::short(name, 60)
         ))?;
     }
     line(&format!("events      {} (last id)", s.last_event_id))?;

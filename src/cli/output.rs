@@ -229,9 +229,21 @@ pub fn clock(at: Millis) -> String {
     }
 }
 
-/// `text` cut to `max` characters with an ellipsis, on one line.
+/// `text` with every control character but the newline made a space: what the board holds
+/// is anyone's (a worker's words in an error, a client's title), and an escape sequence in
+/// it must not reach the operator's terminal.
+pub fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() && c != '\n' { ' ' } else { c })
+        .collect()
+}
+
+/// `text` cut to `max` characters with an ellipsis, on one line (see [`printable`]).
 pub fn short(text: &str, max: usize) -> String {
-    let one_line = text.replace(['\n', '\r'], " ");
+    let one_line: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
     if one_line.chars().count() <= max {
         one_line
     } else {

@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::output::{Cell, Out, Table, ago, duration, line, outcome_colour, short, status_colour};
+use super::output::{
+    Cell, Out, Table, ago, duration, line, outcome_colour, printable, short, status_colour,
+};
 use super::{Cli, CliError, connect};
 use crate::board;
 use crate::board::{Event, NewTask, Run, Task, TaskDetail, TaskFilter, TaskId, TaskStatus};
@@ -139,7 +141,7 @@ fn print_detail(out: &Out, d: &TaskDetail) -> Result<(), CliError> {
         "task {}  {}  {}",
         t.id,
         out.paint(t.status.as_str(), status_colour(t.status)),
-        t.title
+        short(&t.title, usize::MAX)
     ))?;
     let field = |name: &str, value: String| line(&format!("  {name:<12}{value}"));
     field("assignee", t.assignee.clone().unwrap_or_else(|| "-".into()))?;
@@ -177,6 +179,19 @@ fn print_detail(out: &Out, d: &TaskDetail) -> Result<(), CliError> {
         line("runs")?;
         omitted(d.omitted_runs, "runs")?;
         runs_table(&d.runs).print(out, "  ")?;
+        // The table cuts notes to a column; the newest run's (a crash's error with the log's
+        // tail, most often) is what one came to read, so it is shown whole.
+        if let Some(last) = d.runs.last() {
+            let note = run_note(last);
+            if note.chars().count() > NOTE_WIDTH {
+                // Its lines indented under the table.
+                line(&format!(
+                    "  run {} note: {}",
+                    last.id,
+                    printable(note.trim_end()).replace('\n', "\n    ")
+                ))?;
+            }
+        }
     }
     if !d.events.is_empty() {
         line(&format!("events (last {})", d.events.len()))?;
@@ -197,7 +212,12 @@ fn print_detail(out: &Out, d: &TaskDetail) -> Result<(), CliError> {
         line("comments")?;
         omitted(d.omitted_comments, "comments")?;
         for c in &d.comments {
-            line(&format!("  [{}] {}: {}", ago(c.at), c.author, c.body))?;
+            line(&format!(
+                "  [{}] {}: {}",
+                ago(c.at),
+                short(&c.author, 40),
+                printable(&c.body)
+            ))?;
         }
     }
     Ok(())
@@ -208,6 +228,14 @@ fn join_ids(ids: &[TaskId]) -> String {
         .map(|i| i.to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Characters of a run's note the runs table shows.
+const NOTE_WIDTH: usize = 60;
+
+/// A run's note: its worker's summary, else its error.
+fn run_note(r: &Run) -> &str {
+    r.summary.as_deref().or(r.error.as_deref()).unwrap_or("")
 }
 
 fn runs_table(runs: &[Run]) -> Table {
@@ -225,7 +253,7 @@ fn runs_table(runs: &[Run]) -> Table {
             Some(end) => duration(end - r.started_at),
             None => format!("{}…", duration(crate::board::now_millis() - r.started_at)),
         };
-        let note = r.summary.as_deref().or(r.error.as_deref()).unwrap_or("");
+        let note = run_note(r);
         table.row(vec![
             r.id.to_string().into(),
             r.attempt.to_string().into(),
@@ -234,7 +262,7 @@ fn runs_table(runs: &[Run]) -> Table {
             ago(r.started_at).into(),
             took.into(),
             exit.into(),
-            short(note, 60).into(),
+            short(note, NOTE_WIDTH).into(),
         ]);
     }
     table
