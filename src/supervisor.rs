@@ -217,14 +217,15 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     .start();
     let spawner = Spawner::for_this_machine(config.supervisor.scheduling)
         .map_err(|e| SupervisorError::Runtime(format!("cannot start the spawner threads: {e}")))?;
-    let (reconciled, first_reconcile) = tokio::sync::oneshot::channel();
-    let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner)
-        .tell_first_reconcile(reconciled)
-        .start();
+    // Hooks first: subscribed to the store's events before anything can commit one.
     let hooks = HooksStop::default();
     if !config.hooks.is_empty() {
         HookActor::new(config.hooks.clone(), store.clone(), hooks.clone()).start();
     }
+    let (reconciled, first_reconcile) = tokio::sync::oneshot::channel();
+    let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner)
+        .tell_first_reconcile(reconciled)
+        .start();
     tracing::info!(
         data_dir = %config.supervisor.data_dir.display(),
         pid = std::process::id(),

@@ -5,7 +5,8 @@
 //!   writes both to files; they match the board's event exactly), and only for what it names;
 //! - a hook that exceeds its timeout is killed — it and its background child, by group —
 //!   while the supervisor keeps dispatching;
-//! - a failing hook (non-zero exit, or a command that cannot start) is logged, never fatal.
+//! - a failing hook (non-zero exit, or a command that cannot start) is logged, never fatal;
+//! - a hook sees the claims made as the supervisor starts (it subscribes before any commit).
 
 #[allow(dead_code)]
 mod common;
@@ -375,4 +376,42 @@ fn a_stopping_supervisor_ends_its_running_hooks_whatever_their_timeout() {
         "{}",
         serve.stderr()
     );
+}
+
+/// Tasks already on the board are claimed as the supervisor starts, before its actors have
+/// all run once: a hook on `claimed` still sees every one of those claims.
+#[test]
+fn a_hook_sees_the_claims_made_as_the_supervisor_starts() {
+    use common::runtime::{add_to_board, lib_config};
+    use runwarden::config::{AssigneeConfig, HookConfig};
+    let td = TestDir::new();
+    fs::create_dir_all(td.data_dir()).unwrap();
+    let ids: BTreeSet<TaskId> = (0..5).map(|_| add_to_board(&td.db_path(), "w")).collect();
+    let seen = td.path().join("claimed");
+    let mut config = lib_config(&td);
+    config
+        .assignees
+        .insert("w".into(), AssigneeConfig::new(["true"]));
+    config.hooks = vec![HookConfig::new(
+        ["claimed"],
+        [
+            "sh".to_string(),
+            "-c".to_string(),
+            format!("echo \"$RUNWARDEN_EVENT_TASK_ID\" >> {}", seen.display()),
+        ],
+    )];
+    let sup = runwarden::Supervisor::start(config).expect("start the supervisor");
+    let claimed = || -> BTreeSet<TaskId> {
+        fs::read_to_string(&seen)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    };
+    assert!(
+        wait_until(SETTLE, || claimed() == ids),
+        "hooks ran for {:?} of {ids:?}",
+        claimed()
+    );
+    sup.shutdown();
 }

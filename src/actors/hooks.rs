@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use super::store::Store;
+use super::store::{EventFeed, Store};
 use crate::board::Event;
 use crate::config::HookConfig;
 use crate::process::{self, PidFd};
@@ -44,7 +44,8 @@ struct HookDone;
 /// The actor.
 pub struct HookActor {
     hooks: Vec<HookConfig>,
-    store: Store,
+    /// Subscribed when the actor is made, forwarded once it runs (see `new`).
+    feed: Option<EventFeed>,
     queue: VecDeque<(HookConfig, Arc<Event>)>,
     running: usize,
     stopping: HooksStop,
@@ -66,11 +67,13 @@ impl HooksStop {
 }
 
 impl HookActor {
-    /// A hook runner for `hooks` fed by `store`'s events; `stopping` ends it.
+    /// A hook runner for `hooks` fed by `store`'s events; `stopping` ends it. It subscribes
+    /// here, not when it first runs: the dispatcher may claim (and the store commit) before
+    /// this actor is first polled, and a hook on `claimed` would miss that claim.
     pub fn new(hooks: Vec<HookConfig>, store: Store, stopping: HooksStop) -> Self {
         HookActor {
             hooks,
-            store,
+            feed: Some(store.subscribe()),
             queue: VecDeque::new(),
             running: 0,
             stopping,
@@ -110,7 +113,10 @@ impl Actor for HookActor {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         let me = ctx.address();
-        self.store.forward_events(
+        let Some(feed) = self.feed.take() else {
+            return;
+        };
+        feed.forward(
             move |ev| {
                 me.do_send(HookEvent(ev));
                 me.connected()

@@ -203,24 +203,10 @@ impl Store {
     /// closes or `on_event` says stop.
     pub fn forward_events(
         &self,
-        mut on_event: impl FnMut(Arc<Event>) -> bool + 'static,
-        mut on_lag: impl FnMut(u64) + 'static,
+        on_event: impl FnMut(Arc<Event>) -> bool + 'static,
+        on_lag: impl FnMut(u64) + 'static,
     ) {
-        // `on_lag` hears of missed commits (each one or more events).
-        let mut feed = self.subscribe();
-        actix_rt::spawn(async move {
-            loop {
-                match feed.recv().await {
-                    Ok(ev) => {
-                        if !on_event(ev) {
-                            break;
-                        }
-                    }
-                    Err(broadcast::error::RecvError::Lagged(n)) => on_lag(n),
-                    Err(broadcast::error::RecvError::Closed) => break,
-                }
-            }
-        });
+        self.subscribe().forward(on_event, on_lag);
     }
 
     /// Counts of the writer's work since the store started.
@@ -239,6 +225,33 @@ impl Store {
             batches: self.events.subscribe(),
             current: None,
         }
+    }
+}
+
+impl EventFeed {
+    /// [`Store::forward_events`] for a feed subscribed earlier: it forwards every event
+    /// committed since [`Store::subscribe`] — an actor that subscribes when it is made, not
+    /// when it first runs, misses nothing committed in between.
+    pub fn forward(
+        self,
+        mut on_event: impl FnMut(Arc<Event>) -> bool + 'static,
+        mut on_lag: impl FnMut(u64) + 'static,
+    ) {
+        // `on_lag` hears of missed commits (each one or more events).
+        let mut feed = self;
+        actix_rt::spawn(async move {
+            loop {
+                match feed.recv().await {
+                    Ok(ev) => {
+                        if !on_event(ev) {
+                            break;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => on_lag(n),
+                    Err(broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        });
     }
 }
 
