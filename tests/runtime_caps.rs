@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::time::Instant;
 
+use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, TestDir, lib_config, worker_identity};
 use runwarden::Supervisor;
 use runwarden::board::{NewTask, RunOutcome, TaskId, TaskStatus};
@@ -192,9 +193,15 @@ fn fifty_tasks_never_exceed_the_per_assignee_caps() {
     let exited = events.iter().filter(|e| e.kind == "worker_exited").count();
     assert_eq!((spawned, exited), (TASKS, TASKS));
 
-    // Actor addresses are thread-safe: ask the dispatcher from the test thread.
-    let live = futures::executor::block_on(sup.services().live_workers());
-    assert!(live.is_empty(), "no live workers left: {live:?}");
+    // Actor addresses are thread-safe: ask the dispatcher from the test thread. A worker's
+    // actor tells the dispatcher it has finished after its exit's commit (whose events were
+    // read above), so the last ones may still be on its way out: a bounded wait.
+    let mut live = Vec::new();
+    let gone = wait_until(SETTLE, || {
+        live = futures::executor::block_on(sup.services().live_workers());
+        live.is_empty()
+    });
+    assert!(gone, "live workers left: {live:?}");
     sup.shutdown();
 }
 
