@@ -8,19 +8,17 @@ fn main() -> ExitCode {
     use tracing_subscriber::EnvFilter;
     // A filter that does not parse is said, not silently replaced: someone asked for debug
     // logs and would otherwise wonder where they are.
-    let filter = match std::env::var("RUNWARDEN_LOG") {
-        Ok(text) if !text.trim().is_empty() => {
-            EnvFilter::try_new(text.trim()).unwrap_or_else(|e| {
+    let filter = match std::env::var_os("RUNWARDEN_LOG") {
+        Some(text) if !text.to_string_lossy().trim().is_empty() => text
+            .to_str()
+            .ok_or_else(|| "not UTF-8".to_string())
+            .and_then(|t| EnvFilter::try_new(t.trim()).map_err(|e| e.to_string()))
+            .unwrap_or_else(|why| {
                 eprintln!(
-                    "runwarden: RUNWARDEN_LOG={text:?} is not a log filter ({e}); logging at info"
+                    "runwarden: RUNWARDEN_LOG={text:?} is not a log filter ({why}); logging at info"
                 );
                 EnvFilter::new("info")
-            })
-        }
-        Err(std::env::VarError::NotUnicode(text)) => {
-            eprintln!("runwarden: RUNWARDEN_LOG={text:?} is not a log filter; logging at info");
-            EnvFilter::new("info")
-        }
+            }),
         _ => EnvFilter::new("info"),
     };
     tracing_subscriber::fmt()

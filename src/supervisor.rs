@@ -96,11 +96,11 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
         std::fs::create_dir_all(&dir).map_err(|source| {
             // "File exists" reads like success: say what is in the way.
             let problem = match source.kind() {
-                std::io::ErrorKind::AlreadyExists => "is not a directory",
-                std::io::ErrorKind::NotADirectory => "has a file, not a directory, on its path",
-                _ => "",
+                std::io::ErrorKind::AlreadyExists => Some("is not a directory"),
+                std::io::ErrorKind::NotADirectory => Some("has a file, not a directory, on its path"),
+                _ => None,
             };
-            if !problem.is_empty() {
+            if let Some(problem) = problem {
                 let what = if dir == config.supervisor.data_dir {
                     ""
                 } else {

@@ -24,12 +24,24 @@ use common::lifecycle::{
 use common::proc_guard::ChildGuard;
 use common::runtime::{SETTLE, TestDir, WorkerGuard, lib_config, worker_identity};
 use runwarden::Supervisor;
-use runwarden::board::{TaskId, TaskStatus, now_millis};
+use runwarden::board::{EventId, TaskDetail, TaskId, TaskStatus, now_millis};
 use runwarden::config::ShutdownMode;
 
 const TASKS: usize = 4;
 /// Many report retries long.
 const RECONCILE_DELAY: Duration = Duration::from_millis(1500);
+
+/// The id of the one event of `kind` in `d` (`history` says what was there otherwise).
+fn only_event(d: &TaskDetail, kind: &str, history: &str) -> EventId {
+    let ids: Vec<_> = d
+        .events
+        .iter()
+        .filter(|e| e.kind == kind)
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(ids.len(), 1, "one {kind} event\n{history}");
+    ids[0]
+}
 
 #[test]
 fn reports_waiting_for_a_restarted_supervisor_land_after_it_adopted_their_workers() {
@@ -80,16 +92,7 @@ fn reports_waiting_for_a_restarted_supervisor_land_after_it_adopted_their_worker
     for &task in &tasks {
         let d = sup.detail(task);
         let history = sup.history(task);
-        let id_of = |kind: &str| {
-            let ids: Vec<_> = d
-                .events
-                .iter()
-                .filter(|e| e.kind == kind)
-                .map(|e| e.id)
-                .collect();
-            assert_eq!(ids.len(), 1, "one {kind} event\n{history}");
-            ids[0]
-        };
+        let id_of = |kind: &str| only_event(&d, kind, &history);
         let (adopted, completed) = (id_of("worker_adopted"), id_of("completed"));
         assert!(
             adopted < completed,
@@ -156,16 +159,7 @@ fn a_worker_found_by_its_token_is_adopted_before_its_report_lands() {
 
     let d = sup.detail(task);
     let history = sup.history(task);
-    let id_of = |kind: &str| {
-        let ids: Vec<_> = d
-            .events
-            .iter()
-            .filter(|e| e.kind == kind)
-            .map(|e| e.id)
-            .collect();
-        assert_eq!(ids.len(), 1, "one {kind} event\n{history}");
-        ids[0]
-    };
+    let id_of = |kind: &str| only_event(&d, kind, &history);
     let (found, adopted, completed) = (
         id_of("worker_found"),
         id_of("worker_adopted"),

@@ -9,7 +9,7 @@ use rand::Rng;
 use serde_json::json;
 
 use super::dispatcher::{ClaimParams, claim_ready};
-use super::spawn::log_tail;
+use super::spawn::LogStart;
 use super::store::{Store, StoreError};
 use super::worker::TerminateReason;
 use crate::board::{self, Claim, ExitInfo, Failure, Millis, RunId, RunOutcome, Task, TaskId, Tx};
@@ -194,10 +194,9 @@ pub struct ExitContext {
     /// The leader's group (or descendants) still run: keep the evidence until they are ended.
     pub group_alive: bool,
     pub log_path: PathBuf,
-    /// Where this run's output starts in the log (0 when not known: an adopted worker), in
-    /// the log's rotation `log_generation` (after another rotation, all of the log is the run's).
-    pub log_start: u64,
-    pub log_generation: Option<String>,
+    /// Where this run's output starts in the log (the default when not known: an adopted
+    /// worker's).
+    pub log_start: LogStart,
     pub policy: ExitPolicy,
     /// Claim the next ready task(s) for the freed slot in the same transaction.
     pub claim_next: Option<ClaimParams>,
@@ -237,9 +236,7 @@ pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, Store
     // Only a crash quotes the log; a clean exit (the common case) reads nothing.
     let crashed = !(cx.exit.code == Some(0) && cx.policy.on_exit_zero == OnExitZero::Complete);
     let tail = if crashed {
-        let rotated = super::spawn::log_generation(&cx.log_path) != cx.log_generation;
-        let from = if rotated { 0 } else { cx.log_start };
-        log_tail(&cx.log_path, from, LOG_TAIL_BYTES)
+        cx.log_start.tail(&cx.log_path, LOG_TAIL_BYTES)
     } else {
         String::new()
     };

@@ -45,11 +45,26 @@ pub struct Spawned {
     pub pid: i32,
     pub pidfd: PidFd,
     pub fingerprint: Fingerprint,
-    /// The log's size when this worker got it: what this run wrote starts there (the file is
-    /// the task's, shared by its attempts), so a crash quotes this run's output only.
-    pub log_start: u64,
-    /// The log's rotation then ([`log_generation`]): a rotation since starts the log over.
-    pub log_generation: Option<String>,
+    /// Where this run's output starts in the task's log (shared by the task's attempts).
+    pub log_start: LogStart,
+}
+
+/// Where a run's output starts in its task's log, so that a crash quotes that run's output
+/// only. The default (an adopted worker's, whose start was not kept) is the whole log.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LogStart {
+    /// The log's size when the worker got it.
+    pub offset: u64,
+    /// The log's rotation then ([`log_generation`]): after another one, all of it is the run's.
+    pub generation: Option<String>,
+}
+
+impl LogStart {
+    /// The last `n` bytes of the run's output in the log at `path` ([`log_tail`]).
+    pub fn tail(&self, path: &Path, n: u64) -> String {
+        let rotated = log_generation(path) != self.generation;
+        log_tail(path, if rotated { 0 } else { self.offset }, n)
+    }
 }
 
 /// A few dedicated threads that start workers, shared by every WorkerActor of a supervisor.
@@ -180,8 +195,9 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     // The rotation first, the size second: a rotation between the two (by the tick, or by
     // open_log itself) then shows as a changed generation at the crash, and the quote starts
     // at 0 — never at an offset from before a rotation the generation does not show.
-    let log_generation = log_generation(&spec.log_path);
-    let (log, log_start) = open_log(&spec.log_path, spec.log_max_bytes)?;
+    let generation = log_generation(&spec.log_path);
+    let (log, offset) = open_log(&spec.log_path, spec.log_max_bytes)?;
+    let log_start = LogStart { offset, generation };
 
     // A bare name is looked up here, in the PATH the worker will have: execve does not search
     // PATH, and std, given a PATH of the child's own, would fork the whole supervisor (a large,
@@ -295,7 +311,6 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
         pidfd,
         fingerprint,
         log_start,
-        log_generation,
     })
 }
 

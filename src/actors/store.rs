@@ -233,15 +233,14 @@ impl EventFeed {
     /// committed since [`Store::subscribe`] — an actor that subscribes when it is made, not
     /// when it first runs, misses nothing committed in between.
     pub fn forward(
-        self,
+        mut self,
         mut on_event: impl FnMut(Arc<Event>) -> bool + 'static,
         mut on_lag: impl FnMut(u64) + 'static,
     ) {
         // `on_lag` hears of missed commits (each one or more events).
-        let mut feed = self;
         actix_rt::spawn(async move {
             loop {
-                match feed.recv().await {
+                match self.recv().await {
                     Ok(ev) => {
                         if !on_event(ev) {
                             break;

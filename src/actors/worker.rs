@@ -152,10 +152,8 @@ pub struct WorkerActor {
     clear_when_ended: bool,
     /// When our child was started (None for an adopted worker).
     spawned_at: Option<std::time::Instant>,
-    /// Where our child's output starts in the task's log (0 for an adopted worker), and the
-    /// log's rotation then.
-    log_start: u64,
-    log_generation: Option<String>,
+    /// Where our child's output starts in the task's log (the whole log for an adopted one).
+    log_start: spawn::LogStart,
     /// The exit is recorded; the actor finishes once no tree-end is running (the reaper and
     /// the dispatcher keep treating the run as owned until then).
     exit_done: bool,
@@ -209,8 +207,7 @@ impl WorkerActor {
             kill_failed: false,
             clear_when_ended: false,
             spawned_at: None,
-            log_start: 0,
-            log_generation: None,
+            log_start: spawn::LogStart::default(),
             exit_done: false,
         }
     }
@@ -444,8 +441,7 @@ impl WorkerActor {
             evidence_on_row: self.evidence_on_row,
             group_alive: tree_alive,
             log_path: self.spec.log_path.clone(),
-            log_start: self.log_start,
-            log_generation: self.log_generation.clone(),
+            log_start: self.log_start.clone(),
             policy: self.policy.clone(),
             claim_next: self.claim_on_close.clone(),
         };
@@ -615,8 +611,7 @@ impl WorkerActor {
         let pid = child.pid;
         self.fingerprint = Some(child.fingerprint.clone());
         self.spawned_at = Some(std::time::Instant::now());
-        self.log_start = child.log_start;
-        self.log_generation = child.log_generation.clone();
+        self.log_start = child.log_start.clone();
         self.pidfd = Some(Arc::new(child.pidfd));
         tracing::info!(
             run_id = self.run_id(),

@@ -210,17 +210,16 @@ impl From<ClientError> for CliError {
 /// [`REPLY_TIMEOUT`], or `$RUNWARDEN_TIMEOUT` (`None`: wait for ever). A value that does not
 /// parse is a usage error: a typo must not silently leave the default in force.
 pub fn reply_timeout() -> Result<Option<Duration>, CliError> {
-    let wait = match std::env::var(TIMEOUT_ENV) {
-        Ok(v) if !v.trim().is_empty() => humantime::parse_duration(v.trim()).map_err(|e| {
-            CliError::usage(format!(
-                "{TIMEOUT_ENV}={v:?} is not a duration ({e}); e.g. 30s, 2m, or 0s to wait for ever"
-            ))
-        })?,
-        Err(std::env::VarError::NotUnicode(v)) => {
-            return Err(CliError::usage(format!(
-                "{TIMEOUT_ENV}={v:?} is not a duration; e.g. 30s, 2m, or 0s to wait for ever"
-            )));
-        }
+    let wait = match std::env::var_os(TIMEOUT_ENV) {
+        Some(v) if !v.to_string_lossy().trim().is_empty() => v
+            .to_str()
+            .ok_or_else(|| "not UTF-8".to_string())
+            .and_then(|s| humantime::parse_duration(s.trim()).map_err(|e| e.to_string()))
+            .map_err(|why| {
+                CliError::usage(format!(
+                    "{TIMEOUT_ENV}={v:?} is not a duration ({why}); e.g. 30s, 2m, or 0s to wait for ever"
+                ))
+            })?,
         _ => REPLY_TIMEOUT,
     };
     Ok((!wait.is_zero()).then_some(wait))

@@ -240,10 +240,7 @@ pub fn printable(text: &str) -> String {
 
 /// `text` cut to `max` characters with an ellipsis, on one line (see [`printable`]).
 pub fn short(text: &str, max: usize) -> String {
-    let one_line: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
+    let one_line = printable(text).replace('\n', " ");
     if one_line.chars().count() <= max {
         one_line
     } else {

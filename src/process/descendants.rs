@@ -285,9 +285,7 @@ fn read_environ(pid: Pid) -> Option<Vec<u8>> {
     if env.as_ref().is_ok_and(|e| !e.is_empty()) {
         return env.ok();
     }
-    let main_thread_gone =
-        super::read_stat(pid).is_ok_and(|s| matches!(s.state, 'Z' | 'X') && !s.is_zombie());
-    if !main_thread_gone {
+    if !super::read_stat(pid).is_ok_and(|s| s.main_thread_exited_alone()) {
         return env.ok();
     }
     fs::read_dir(format!("/proc/{pid}/task"))

@@ -167,6 +167,30 @@ mod tests {
         (line.trim().parse().expect("a pid"), parent)
     }
 
+    /// [`stranger`] once it has exited: its pid, a pidfd and fingerprint taken while it ran,
+    /// and the parent.
+    fn exited_stranger(script: &str, then: &str) -> (Pid, PidFd, Fingerprint, Child) {
+        let (pid, parent) = stranger(script, then);
+        let pidfd = PidFd::open(pid).expect("pidfd of the grandchild");
+        let fp = fingerprint(pid).expect("its fingerprint");
+        assert!(
+            pidfd.wait_exit(Duration::from_secs(10)).unwrap(),
+            "{script}: it exits"
+        );
+        (pid, pidfd, fp, parent)
+    }
+
+    /// [`stranger`] under a parent that leaves it a zombie, once it is one.
+    fn zombie_stranger(script: &str) -> (Pid, Fingerprint, Child) {
+        let (pid, parent) = stranger(script, "read x; wait");
+        let fp = fingerprint(pid).expect("its fingerprint");
+        assert!(
+            poll(|| read_stat(pid).is_ok_and(|s| s.is_zombie()).then_some(())).is_some(),
+            "{script}: never a zombie"
+        );
+        (pid, fp, parent)
+    }
+
     /// Polls `f` every 5 ms until it returns `Some`, for at most 10 s.
     fn poll<T>(mut f: impl FnMut() -> Option<T>) -> Option<T> {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -217,13 +241,7 @@ mod tests {
     #[test]
     fn a_zombie_strangers_exit_is_read_from_proc() {
         for (script, expected) in SCRIPTS {
-            let (pid, mut parent) = stranger(script, "read x; wait");
-            let pidfd = PidFd::open(pid).expect("pidfd of the grandchild");
-            let fp = fingerprint(pid).expect("its fingerprint");
-            assert!(
-                pidfd.wait_exit(Duration::from_secs(10)).unwrap(),
-                "it exits"
-            );
+            let (pid, pidfd, fp, mut parent) = exited_stranger(script, "read x; wait");
             assert!(
                 read_stat(pid).unwrap().is_zombie(),
                 "{script}: left a zombie"
@@ -243,13 +261,7 @@ mod tests {
     #[test]
     fn a_reaped_strangers_exit_is_told_through_its_pidfd() {
         for (script, expected) in SCRIPTS {
-            let (pid, mut parent) = stranger(script, "wait");
-            let pidfd = PidFd::open(pid).expect("pidfd of the grandchild");
-            let fp = fingerprint(pid).expect("its fingerprint");
-            assert!(
-                pidfd.wait_exit(Duration::from_secs(10)).unwrap(),
-                "it exits"
-            );
+            let (pid, pidfd, fp, mut parent) = exited_stranger(script, "wait");
             // Its parent's `wait` reaps it: from then on only the pidfd tells, never the pid.
             let gone = poll(|| {
                 (!matches!(read_stat(pid), Ok(s) if s.start_ticks == fp.start_ticks)).then_some(())
@@ -282,12 +294,7 @@ mod tests {
     /// look at — and must not believe it. Needs root (to drop to another user), as CI has.
     #[test]
     fn a_reader_without_access_is_never_told_a_clean_exit() {
-        let (pid, mut parent) = stranger("sleep 0.2; exit 7", "read x; wait");
-        let fp = fingerprint(pid).expect("its fingerprint");
-        assert!(
-            poll(|| read_stat(pid).is_ok_and(|s| s.is_zombie()).then_some(())).is_some(),
-            "never a zombie"
-        );
+        let (pid, fp, mut parent) = zombie_stranger("sleep 0.2; exit 7");
         assert_eq!(of_zombie(pid, &fp), Some(ExitStatus::Code(7)), "as root");
         // A reader that runs as nobody, in a child of ours.
         // SAFETY: the child makes system calls, reads /proc and exits with _exit; it never
@@ -328,12 +335,7 @@ mod tests {
 
     #[test]
     fn another_process_on_the_pid_is_never_read() {
-        let (pid, mut parent) = stranger("sleep 0.2; exit 3", "read x; wait");
-        let fp = fingerprint(pid).expect("its fingerprint");
-        assert!(
-            poll(|| read_stat(pid).is_ok_and(|s| s.is_zombie()).then_some(())).is_some(),
-            "never a zombie"
-        );
+        let (pid, fp, mut parent) = zombie_stranger("sleep 0.2; exit 3");
         let other = Fingerprint {
             start_ticks: fp.start_ticks + 1,
             ..fp.clone()

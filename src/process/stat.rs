@@ -55,6 +55,13 @@ impl ProcStat {
     pub fn is_zombie(&self) -> bool {
         matches!(self.state, 'Z' | 'X') && self.threads <= 1
     }
+
+    /// True for a live process whose main thread has exited alone (see [`Self::is_zombie`]):
+    /// what `/proc` shows through the main thread (its environment, say) is gone, the rest of
+    /// the process is not.
+    pub fn main_thread_exited_alone(&self) -> bool {
+        matches!(self.state, 'Z' | 'X') && self.threads > 1
+    }
 }
 
 /// Fields after the closing `)` of comm, counted from field 3 (state).
@@ -294,7 +301,7 @@ mod tests {
         let text = text.replacen(" 20 0 1 0 987654 ", " 20 0 2 0 987654 ", 1);
         let stat = parse_stat(&text).unwrap();
         assert_eq!((stat.state, stat.threads), ('Z', 2));
-        assert!(!stat.is_zombie());
+        assert!(!stat.is_zombie() && stat.main_thread_exited_alone());
     }
 
     #[test]

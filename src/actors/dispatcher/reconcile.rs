@@ -399,8 +399,7 @@ impl DispatcherActor {
                         group_alive: false,
                         log_path: spec.log_path,
                         // Where its output starts was not kept: the whole log's tail.
-                        log_start: 0,
-                        log_generation: None,
+                        log_start: Default::default(),
                         policy: policy.clone(),
                         claim_next: None,
                     }
