@@ -8,8 +8,14 @@
 //!   `/proc/<pid>/stat` → `crashed`, "exited with code 3";
 //! - exits 0 while no supervisor runs and stays a zombie: the next supervisor's reconcile reads
 //!   it → `completed`;
+//! - exits 6 while no supervisor runs and stays a zombie: the next supervisor's reconcile reads
+//!   it → `crashed`, "exited with code 6";
 //! - exits 5 while no supervisor runs and is reaped at once: nothing tells its status any more
 //!   → `crashed`, "exited while unsupervised".
+//!
+//! Each crash quotes its own run's output only, as it would in the supervisor that started it:
+//! where that output starts in the task's log (shared with earlier attempts) is kept on the
+//! run row with the worker's evidence.
 //!
 //! The workers' new parent is this test process (a child subreaper, standing in for init), so
 //! when each is reaped is up to the test. One test in this file: it makes the process a
@@ -39,7 +45,7 @@ fn an_adopted_or_unsupervised_workers_exit_status_is_used_when_the_kernel_tells_
     fs::create_dir_all(&gates).unwrap();
     // The gate file holds the code to exit with.
     let worker = format!(
-        "{}; exit \"$(cat \"$GATE_DIR/$RUNWARDEN_TASK_ID\")\"",
+        "echo \"output of run $RUNWARDEN_RUN_ID\"; {}; exit \"$(cat \"$GATE_DIR/$RUNWARDEN_TASK_ID\")\"",
         wait_for_gate(60)
     );
     let config = td.write_config(
@@ -47,7 +53,7 @@ fn an_adopted_or_unsupervised_workers_exit_status_is_used_when_the_kernel_tells_
         &format!(
             "[reaper]\ngrace = \"300ms\"\nkill_timeout = \"1s\"\n\n\
              [retries]\nmax_retries = 0\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\nmax_in_progress = 4\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\nmax_in_progress = 5\n\
              env = {{ GATE_DIR = {gates:?} }}\n"
         ),
     );
@@ -55,29 +61,52 @@ fn an_adopted_or_unsupervised_workers_exit_status_is_used_when_the_kernel_tells_
     let _subreaper = runwarden::process::become_subreaper().expect("become a subreaper");
     std::fs::create_dir_all(td.data_dir()).unwrap();
     let mut db = Db::new(td.db_path());
-    let [reaped_clean, zombie_crash, offline_zombie, offline_reaped]: [TaskId; 4] =
-        db.write(|tx| {
-            let now = now_millis();
-            let mut ids = Vec::new();
-            for title in [
-                "reaped clean",
-                "zombie crash",
-                "offline zombie",
-                "offline reaped",
-            ] {
-                ids.push(
-                    tx.create_task(&NewTask::titled(title).for_assignee("w"), now)?
-                        .id,
-                );
-            }
-            Ok(ids.try_into().unwrap())
-        });
+    let [
+        reaped_clean,
+        zombie_crash,
+        offline_zombie,
+        offline_crash,
+        offline_reaped,
+    ]: [TaskId; 5] = db.write(|tx| {
+        let now = now_millis();
+        let mut ids = Vec::new();
+        for title in [
+            "reaped clean",
+            "zombie crash",
+            "offline zombie",
+            "offline crash",
+            "offline reaped",
+        ] {
+            ids.push(
+                tx.create_task(&NewTask::titled(title).for_assignee("w"), now)?
+                    .id,
+            );
+        }
+        Ok(ids.try_into().unwrap())
+    });
+
+    // Output of earlier attempts in the crashing tasks' logs (the log is the task's).
+    let logs = td.data_dir().join("logs");
+    fs::create_dir_all(&logs).unwrap();
+    for task in [zombie_crash, offline_crash, offline_reaped] {
+        fs::write(
+            logs.join(format!("{task}.log")),
+            "EARLIER ATTEMPT'S OUTPUT\n",
+        )
+        .unwrap();
+    }
 
     let mut first = Serve::start(&config, "serve1");
     first.wait_ready(&td.lock_path(), &td.db_path());
     let mut pids = BTreeMap::new();
     let mut pins = Vec::new();
-    for task in [reaped_clean, zombie_crash, offline_zombie, offline_reaped] {
+    for task in [
+        reaped_clean,
+        zombie_crash,
+        offline_zombie,
+        offline_crash,
+        offline_reaped,
+    ] {
         let (pid, fp) = worker_identity(&db.wait_event(task, "worker_spawned", SETTLE))
             .expect("worker identity");
         pins.push(WorkerGuard::pin(pid, &fp));
@@ -93,15 +122,18 @@ fn an_adopted_or_unsupervised_workers_exit_status_is_used_when_the_kernel_tells_
         );
     }
 
-    // Two exit while no supervisor runs: one stays a zombie, one is reaped at once.
+    // Three exit while no supervisor runs: two stay zombies, one is reaped at once.
     gate(offline_zombie, 0).unwrap();
+    gate(offline_crash, 6).unwrap();
     gate(offline_reaped, 5).unwrap();
     assert!(reap(pids[&offline_reaped]).is_ok());
-    assert!(
-        wait_until(SETTLE, || read_stat(pids[&offline_zombie])
-            .is_ok_and(|s| s.is_zombie())),
-        "the offline worker did not exit"
-    );
+    for task in [offline_zombie, offline_crash] {
+        assert!(
+            wait_until(SETTLE, || read_stat(pids[&task])
+                .is_ok_and(|s| s.is_zombie())),
+            "task {task}: the offline worker did not exit"
+        );
+    }
 
     let mut second = Serve::start(&config, "serve2");
     second.wait_ready(&td.lock_path(), &td.db_path());
@@ -136,11 +168,27 @@ fn an_adopted_or_unsupervised_workers_exit_status_is_used_when_the_kernel_tells_
         "reaped here, not by the supervisor"
     );
 
+    // A crash's error quotes this run's output, not the earlier attempt's before it.
+    let own_output_only = |run: &runwarden::board::Run, history: &str| {
+        let error = run.error.clone().unwrap_or_default();
+        assert!(
+            error.contains(&format!("log tail: output of run {}", run.id)),
+            "{error}\n{history}"
+        );
+        assert!(!error.contains("EARLIER"), "{error}\n{history}");
+        error
+    };
     let (run, history) = closed(&mut db, zombie_crash);
     assert_eq!(run.outcome, Some(RunOutcome::Crashed), "{history}");
     assert_eq!(run.exit_code, Some(3), "{history}");
-    let error = run.error.unwrap_or_default();
+    let error = own_output_only(&run, &history);
     assert!(error.contains("exited with code 3"), "{error}\n{history}");
+
+    let (run, history) = closed(&mut db, offline_crash);
+    assert_eq!(run.outcome, Some(RunOutcome::Crashed), "{history}");
+    assert_eq!(run.exit_code, Some(6), "{history}");
+    let error = own_output_only(&run, &history);
+    assert!(error.contains("exited with code 6"), "{error}\n{history}");
 
     let (run, history) = closed(&mut db, offline_zombie);
     assert_eq!(run.outcome, Some(RunOutcome::Completed), "{history}");
@@ -148,13 +196,13 @@ fn an_adopted_or_unsupervised_workers_exit_status_is_used_when_the_kernel_tells_
 
     let (run, history) = closed(&mut db, offline_reaped);
     assert_eq!(run.outcome, Some(RunOutcome::Crashed), "{history}");
-    let error = run.error.unwrap_or_default();
+    let error = own_output_only(&run, &history);
     assert!(
         error.contains("exited while unsupervised"),
         "{error}\n{history}"
     );
 
-    for task in [zombie_crash, offline_zombie] {
+    for task in [zombie_crash, offline_zombie, offline_crash] {
         assert!(
             reap(pids[&task]).is_ok(),
             "task {task}: zombie not ours to reap"

@@ -7,7 +7,8 @@ mod common;
 
 use common::board::{LEASE_MS, TempBoard, events_of, kinds, run, temp_board};
 use runwarden::board::{
-    Board, BoardError, Claim, Failure, NewTask, RunOutcome, SCHEMA_VERSION, TaskId, TaskStatus,
+    Board, BoardError, Claim, Failure, LogStart, NewTask, RunOutcome, SCHEMA_VERSION, TaskId,
+    TaskStatus,
 };
 use runwarden::process::Fingerprint;
 
@@ -183,14 +184,20 @@ fn complete_keeps_worker_evidence() {
     let task = ready(&mut tb, "worker");
     let c = claim(&mut tb, task, T);
     let fp = fake_fp();
+    let log = LogStart {
+        offset: 4096,
+        generation: Some("12-34.5".into()),
+    };
     tb.board
-        .write(|tx| tx.set_worker(c.run_id, 31337, Some(&fp), T + 1))
+        .write(|tx| tx.set_worker(c.run_id, 31337, Some(&fp), Some(&log), T + 1))
         .unwrap();
     // A worker is recorded once per run.
     assert_conflict(
         tb.board
-            .write(|tx| tx.set_worker(c.run_id, 31338, Some(&fp), T + 1)),
+            .write(|tx| tx.set_worker(c.run_id, 31338, Some(&fp), None, T + 1)),
     );
+    // Where its output starts in the log is kept with it (for a supervisor that adopts it).
+    assert_eq!(run(&mut tb.board, c.run_id).log_start, Some(log));
 
     let closed = tb
         .board
@@ -251,7 +258,7 @@ fn block_and_unblock() {
     let task = ready(&mut tb, "blocky");
     let c = claim(&mut tb, task, T);
     tb.board
-        .write(|tx| tx.set_worker(c.run_id, 4000, Some(&fake_fp()), T))
+        .write(|tx| tx.set_worker(c.run_id, 4000, Some(&fake_fp()), None, T))
         .unwrap();
     let closed = tb
         .board
@@ -325,7 +332,7 @@ fn archive_of_a_running_task_closes_its_run() {
     let c = claim(&mut tb, task, T);
     let fp = fake_fp();
     tb.board
-        .write(|tx| tx.set_worker(c.run_id, 5000, Some(&fp), T))
+        .write(|tx| tx.set_worker(c.run_id, 5000, Some(&fp), None, T))
         .unwrap();
 
     let closed = tb

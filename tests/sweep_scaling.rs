@@ -88,7 +88,13 @@ fn build_history(board: &mut Board, n: usize, now: i64) {
                         .id;
                     let claim = tx.claim_task(task, "history", now, LEASE_MS)?;
                     if i % 10 == 0 {
-                        tx.set_worker(claim.run_id, 1000 + i as i32, Some(&fp(i as u64)), now)?;
+                        tx.set_worker(
+                            claim.run_id,
+                            1000 + i as i32,
+                            Some(&fp(i as u64)),
+                            None,
+                            now,
+                        )?;
                         tx.record_worker_exit(
                             claim.run_id,
                             runwarden::board::ExitInfo {
@@ -170,7 +176,7 @@ fn sweep_queries_use_the_partial_indexes_not_the_history() {
                     .create_task(&NewTask::titled("evidence").for_assignee("coder"), now)?
                     .id;
                 let claim = tx.claim_task(task, "c", now, LEASE_MS)?;
-                tx.set_worker(claim.run_id, 50_000 + i, Some(&fp(7 + i as u64)), now)?;
+                tx.set_worker(claim.run_id, 50_000 + i, Some(&fp(7 + i as u64)), None, now)?;
                 tx.complete_task(task, Some(claim.run_id), None, now + 10 + i64::from(i))?;
                 live.push((task, claim.run_id));
             }
@@ -178,13 +184,13 @@ fn sweep_queries_use_the_partial_indexes_not_the_history() {
                 .create_task(&NewTask::titled("legacy").for_assignee("coder"), now)?
                 .id;
             let claim = tx.claim_task(legacy, "c", now, LEASE_MS)?;
-            tx.set_worker(claim.run_id, 60_000, None, now)?;
+            tx.set_worker(claim.run_id, 60_000, None, None, now)?;
             tx.complete_task(legacy, Some(claim.run_id), None, now)?;
             let open = tx
                 .create_task(&NewTask::titled("open").for_assignee("coder"), now)?
                 .id;
             let open_claim = tx.claim_task(open, "c", now, LEASE_MS)?;
-            tx.set_worker(open_claim.run_id, 60_001, Some(&fp(99)), now)?;
+            tx.set_worker(open_claim.run_id, 60_001, Some(&fp(99)), None, now)?;
             Ok((claim.run_id, open_claim.run_id))
         })
         .unwrap();

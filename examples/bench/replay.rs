@@ -15,7 +15,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use runwarden::board::{
-    BatchOp, Board, Claim, ClaimRules, ExitInfo, NewTask, OpenOptions, Task, TaskFilter,
+    BatchOp, Board, Claim, ClaimRules, ExitInfo, LogStart, NewTask, OpenOptions, Task, TaskFilter,
     TaskStatus, Tx,
 };
 use runwarden::process::Fingerprint;
@@ -143,7 +143,10 @@ fn replay(path: &Path, n: usize, slots: usize, sync_full: bool) -> Result<(f64, 
             .map(|c| -> BatchOp<'_, ()> {
                 pid += 1;
                 let (run, p, fp) = (c.run_id, pid, fp.clone());
-                Box::new(move |tx: &Tx<'_>| tx.set_worker(run, p, Some(&fp), now).map(|_| ()))
+                Box::new(move |tx: &Tx<'_>| {
+                    tx.set_worker(run, p, Some(&fp), Some(&LogStart::default()), now)
+                        .map(|_| ())
+                })
             })
             .collect();
         all_ok(b.write_batch(ops).map_err(err)?.results)?;
@@ -155,7 +158,7 @@ fn replay(path: &Path, n: usize, slots: usize, sync_full: bool) -> Result<(f64, 
             .map(|c| -> BatchOp<'_, Vec<Claim>> {
                 let (run, task, fp) = (c.run_id, c.task_id, fp.clone());
                 Box::new(move |tx: &Tx<'_>| {
-                    tx.set_worker_if_unset(run, 0, Some(&fp), now)?;
+                    tx.set_worker_if_unset(run, 0, Some(&fp), Some(&LogStart::default()), now)?;
                     let exit = ExitInfo {
                         code: Some(0),
                         signal: None,

@@ -18,7 +18,7 @@ use crate::process::ExitStatus;
 use crate::process::Fingerprint;
 
 /// How many bytes of the log's end go into a crashed run's `error`.
-const LOG_TAIL_BYTES: u64 = 400;
+pub(crate) const LOG_TAIL_BYTES: u64 = 400;
 
 /// Per-assignee rules for interpreting a worker's end.
 #[derive(Debug, Clone)]
@@ -271,7 +271,13 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: &str, now: Millis) -> b
     // If the exit overtook the spawn evidence's own commit, the evidence is written here, so
     // the history keeps the pid (the later set_worker is then refused as a duplicate).
     if !cx.evidence_on_row {
-        tx.set_worker_if_unset(cx.run_id, cx.pid, cx.fingerprint.as_ref(), now)?;
+        tx.set_worker_if_unset(
+            cx.run_id,
+            cx.pid,
+            cx.fingerprint.as_ref(),
+            Some(&cx.log_start),
+            now,
+        )?;
     }
     let run = tx.record_worker_exit(cx.run_id, cx.exit, cx.group_alive, now)?;
     if cx.terminated == Some(TerminateReason::TerminalReap) {
@@ -323,11 +329,7 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: &str, now: Millis) -> b
                 }
                 _ => "exited; its exit status was lost".to_string(),
             };
-            if tail.is_empty() {
-                what
-            } else {
-                format!("{what}; log tail: {tail}")
-            }
+            with_tail(what, tail)
         }
     };
     fail(
@@ -347,4 +349,13 @@ pub fn signal_name(sig: i32) -> String {
     nix::sys::signal::Signal::try_from(sig)
         .map(|s| s.as_str().to_string())
         .unwrap_or_else(|_| format!("{sig}"))
+}
+
+/// A crash's error: what happened, then the run's last output, if it wrote any.
+pub(crate) fn with_tail(what: String, tail: &str) -> String {
+    if tail.is_empty() {
+        what
+    } else {
+        format!("{what}; log tail: {tail}")
+    }
 }

@@ -49,15 +49,7 @@ pub struct Spawned {
     pub log_start: LogStart,
 }
 
-/// Where a run's output starts in its task's log, so that a crash quotes that run's output
-/// only. The default (an adopted worker's, whose start was not kept) is the whole log.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct LogStart {
-    /// The log's size when the worker got it.
-    pub offset: u64,
-    /// The log's rotation then ([`log_generation`]): after another one, all of it is the run's.
-    pub generation: Option<String>,
-}
+pub use crate::board::LogStart;
 
 impl LogStart {
     /// The last `n` bytes of the run's output in the log at `path` ([`log_tail`]).

@@ -213,12 +213,14 @@ impl WorkerActor {
     }
 
     /// Takes over the live worker of a previous incarnation: `pidfd` was opened and verified
-    /// against the run's fingerprint by the caller.
+    /// against the run's fingerprint by the caller; `log_start` is where its output starts
+    /// (as recorded with its evidence; the default, the whole log, when not).
     #[allow(clippy::too_many_arguments)]
     pub fn adopt(
         spec: SpawnSpec,
         pidfd: PidFd,
         fingerprint: Fingerprint,
+        log_start: spawn::LogStart,
         run_started_at: board::Millis,
         policy: ExitPolicy,
         max_runtime: Option<Duration>,
@@ -229,6 +231,7 @@ impl WorkerActor {
         let mut w = WorkerActor::base(spec, policy, max_runtime, kill_timeout, store, dispatcher);
         w.pidfd = Some(Arc::new(pidfd));
         w.fingerprint = Some(fingerprint);
+        w.log_start = log_start;
         w.adopted_started_at = Some(run_started_at);
         w.evidence_on_row = true;
         w
@@ -625,10 +628,14 @@ impl WorkerActor {
         // workers' writes, and an exit recorded before it lands writes the evidence itself
         // (outcome::record_exit), after which this op is refused as a duplicate.
         let store = self.store.clone();
-        let (run_id, fp) = (self.run_id(), self.fingerprint.clone());
+        let (run_id, fp, log) = (
+            self.run_id(),
+            self.fingerprint.clone(),
+            self.log_start.clone(),
+        );
         async move {
             store
-                .with_tx(move |tx, now| tx.set_worker(run_id, pid, fp.as_ref(), now))
+                .with_tx(move |tx, now| tx.set_worker(run_id, pid, fp.as_ref(), Some(&log), now))
                 .await
         }
         .into_actor(self)

@@ -79,7 +79,7 @@ pub fn dispatch_once(board: &mut Board, opts: DispatchOptions<'_>) -> Result<Dis
         let task_id = claim.task_id;
         match (opts.spawn)(&claim) {
             Ok((pid, fp)) => {
-                board.write(|tx| tx.set_worker(claim.run_id, pid, fp.as_ref(), now))?;
+                board.write(|tx| tx.set_worker(claim.run_id, pid, fp.as_ref(), None, now))?;
                 report.claimed.push((task_id, claim.run_id));
             }
             Err(error) => {

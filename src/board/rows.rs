@@ -2,7 +2,7 @@
 
 use rusqlite::Row;
 
-use super::types::{Comment, Event, Run, Task};
+use super::types::{Comment, Event, LogStart, Run, Task};
 
 pub(super) const TASK_COLS: &str = "id, title, body, assignee, status, priority, created_at, \
     updated_at, started_at, completed_at, current_run_id, idempotency_key, max_runtime_ms, \
@@ -10,7 +10,8 @@ pub(super) const TASK_COLS: &str = "id, title, body, assignee, status, priority,
 
 pub(super) const RUN_COLS: &str = "id, task_id, attempt, assignee, token, claimer, outcome, \
     started_at, ended_at, lease_expires_at, heartbeat_at, spawned_pid, worker_pid, \
-    worker_boot_id, worker_start_ticks, exit_code, exit_signal, error, summary";
+    worker_boot_id, worker_start_ticks, exit_code, exit_signal, error, summary, log_offset, \
+    log_generation";
 
 pub(super) const EVENT_COLS: &str = "id, task_id, run_id, kind, payload, at";
 
@@ -47,6 +48,7 @@ pub(super) fn task(row: &Row<'_>) -> rusqlite::Result<Task> {
 
 pub(super) fn run(row: &Row<'_>) -> rusqlite::Result<Run> {
     let outcome: Option<String> = row.get(6)?;
+    let log_offset: Option<i64> = row.get(19)?;
     Ok(Run {
         id: row.get(0)?,
         task_id: row.get(1)?,
@@ -70,6 +72,13 @@ pub(super) fn run(row: &Row<'_>) -> rusqlite::Result<Run> {
         exit_signal: row.get(16)?,
         error: row.get(17)?,
         summary: row.get(18)?,
+        log_start: match log_offset {
+            None => None,
+            Some(offset) => Some(LogStart {
+                offset: u64::try_from(offset).unwrap_or(0),
+                generation: row.get(20)?,
+            }),
+        },
     })
 }
 

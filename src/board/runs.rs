@@ -4,7 +4,9 @@ use rand::RngCore;
 use rusqlite::{OptionalExtension, params};
 use serde_json::json;
 
-use super::types::{Claim, ClosedRun, Failure, Millis, Run, RunId, RunOutcome, TaskId, TaskStatus};
+use super::types::{
+    Claim, ClosedRun, Failure, LogStart, Millis, Run, RunId, RunOutcome, TaskId, TaskStatus,
+};
 use super::{BoardError, Result, Tx, changed_one};
 use crate::process::Fingerprint;
 
@@ -224,15 +226,18 @@ impl Tx<'_> {
     /// Records the spawned worker's pid and fingerprint on its run. Works on a run that already
     /// closed too (a fast worker may report before this lands): the evidence is what lets the
     /// reaper end a worker that outlives its run. A `None` fingerprint records a pid that will
-    /// never be signalled. Returns the run's outcome and close time if it is already closed.
+    /// never be signalled. `log`: where the run's output starts in its task's log, for a
+    /// later incarnation that adopts the worker. Returns the run's outcome and close time if
+    /// it is already closed.
     pub fn set_worker(
         &self,
         run_id: RunId,
         pid: i32,
         fp: Option<&Fingerprint>,
+        log: Option<&LogStart>,
         now: Millis,
     ) -> Result<Option<(RunOutcome, Millis)>> {
-        match self.set_worker_if_unset(run_id, pid, fp, now)? {
+        match self.set_worker_if_unset(run_id, pid, fp, log, now)? {
             // A run closed before its evidence landed (archived between claim and spawn, or a
             // fast report): the caller must still end this worker, now or after the grace.
             Some(closed) => Ok(closed),
@@ -252,19 +257,23 @@ impl Tx<'_> {
         run_id: RunId,
         pid: i32,
         fp: Option<&Fingerprint>,
+        log: Option<&LogStart>,
         now: Millis,
     ) -> Result<Option<Option<(RunOutcome, Millis)>>> {
         let changed = self
             .conn
             .prepare_cached(
                 "UPDATE task_runs SET spawned_pid = ?2, worker_pid = ?2, worker_boot_id = ?3, \
-                 worker_start_ticks = ?4, spawn_pending = 0 WHERE id = ?1 AND spawned_pid IS NULL",
+                 worker_start_ticks = ?4, spawn_pending = 0, log_offset = ?5, log_generation = ?6 \
+                 WHERE id = ?1 AND spawned_pid IS NULL",
             )?
             .execute(params![
                 run_id,
                 pid,
                 fp.map(|f| f.boot_id.as_str()),
-                fp.map(|f| f.start_ticks as i64)
+                fp.map(|f| f.start_ticks as i64),
+                log.map(|l| i64::try_from(l.offset).unwrap_or(i64::MAX)),
+                log.and_then(|l| l.generation.as_deref()),
             ])?;
         let updated = if changed == 0 {
             None

@@ -162,6 +162,13 @@ const MIGRATIONS: &[&str] = &[
     r#"
     DROP INDEX IF EXISTS tasks_ready;
     "#,
+    // v7: where a run's output starts in its task's log (shared by the task's attempts), kept
+    // with the worker's evidence, so that a supervisor which adopts the worker after a restart
+    // quotes only this run's output when it crashes, as the one that started it would.
+    r#"
+    ALTER TABLE task_runs ADD COLUMN log_offset INTEGER;
+    ALTER TABLE task_runs ADD COLUMN log_generation TEXT;
+    "#,
 ];
 
 /// The schema version this build writes.

@@ -159,6 +159,22 @@ pub struct Run {
     pub exit_signal: Option<i64>,
     pub error: Option<String>,
     pub summary: Option<String>,
+    /// Where this run's output starts in its task's log, recorded with the worker's evidence
+    /// (`None` for runs recorded before schema v7, or whose worker was found by its token).
+    /// Internal: not part of the protocol.
+    #[serde(skip, default)]
+    pub log_start: Option<LogStart>,
+}
+
+/// Where a run's output starts in its task's log, so that a crash quotes that run's output
+/// only. The default (nothing known) is the whole log.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LogStart {
+    /// The log's size when the worker got it.
+    pub offset: u64,
+    /// The log's rotation then (`actors::spawn::log_generation`): after another rotation, all
+    /// of the log is the run's.
+    pub generation: Option<String>,
 }
 
 impl Run {

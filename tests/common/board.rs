@@ -99,7 +99,7 @@ pub fn completed_with_worker(
                 .create_task(&NewTask::titled(title).for_assignee("coder"), started)?
                 .id;
             let claim = tx.claim_task(task, "test-claimer", started, LEASE_MS)?;
-            tx.set_worker(claim.run_id, pid, fp, started)?;
+            tx.set_worker(claim.run_id, pid, fp, None, started)?;
             let closed = tx.complete_task(task, Some(claim.run_id), Some("done"), ended_at)?;
             let closed = closed.expect("completing a running task closes its run");
             assert_eq!(closed.pid, Some(pid), "the closed run keeps the worker pid");

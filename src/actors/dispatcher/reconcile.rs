@@ -296,7 +296,9 @@ impl DispatcherActor {
                             Some((pid, fp)) => {
                                 store
                                     .with_tx(move |tx, now| {
-                                        tx.set_worker(run_id, pid, Some(&fp), now)?;
+                                        // Where its output starts is unknown: a crash
+                                        // quotes the log's tail.
+                                        tx.set_worker(run_id, pid, Some(&fp), None, now)?;
                                         tx.append_event(Some(run.task_id), Some(run_id), "worker_found", serde_json::json!({ "pid": pid, "by": "run token" }), now)?;
                                         Ok(())
                                     })
@@ -347,6 +349,7 @@ impl DispatcherActor {
                     spec,
                     pidfd,
                     fp,
+                    run.log_start.clone().unwrap_or_default(),
                     run.started_at,
                     policy,
                     max_runtime,
@@ -377,32 +380,34 @@ impl DispatcherActor {
                 self.held.remove(&run_id);
                 self.closing.insert(run_id);
                 let policy = self.policy_for(&task);
+                let assignee = task
+                    .assignee
+                    .as_deref()
+                    .and_then(|a| self.config.assignee(a));
+                let log_path = self
+                    .setup_with(&task, run_id, run.token.clone(), assignee)
+                    .0
+                    .log_path;
+                // As recorded with its evidence (else the whole log's tail).
+                let log_start = run.log_start.clone().unwrap_or_default();
                 // Its exit status known (a zombie's): closed by the rules of any exit.
-                let known = exited.map(|status| {
-                    let assignee = task
-                        .assignee
-                        .as_deref()
-                        .and_then(|a| self.config.assignee(a));
-                    let (spec, _, _) = self.setup_with(&task, run_id, run.token.clone(), assignee);
-                    outcome::ExitContext {
-                        run_id,
-                        task_id: task.id,
-                        exit: outcome::exit_info(Some(status)),
-                        pid: run
-                            .worker_pid
-                            .and_then(|p| i32::try_from(p).ok())
-                            .unwrap_or_default(),
-                        fingerprint: run.fingerprint(),
-                        terminated: None,
-                        adopted: true,
-                        evidence_on_row: true,
-                        group_alive: false,
-                        log_path: spec.log_path,
-                        // Where its output starts was not kept: the whole log's tail.
-                        log_start: Default::default(),
-                        policy: policy.clone(),
-                        claim_next: None,
-                    }
+                let known = exited.map(|status| outcome::ExitContext {
+                    run_id,
+                    task_id: task.id,
+                    exit: outcome::exit_info(Some(status)),
+                    pid: run
+                        .worker_pid
+                        .and_then(|p| i32::try_from(p).ok())
+                        .unwrap_or_default(),
+                    fingerprint: run.fingerprint(),
+                    terminated: None,
+                    adopted: true,
+                    evidence_on_row: true,
+                    group_alive: false,
+                    log_path: log_path.clone(),
+                    log_start: log_start.clone(),
+                    policy: policy.clone(),
+                    claim_next: None,
                 });
                 let store = self.store.clone();
                 let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
@@ -424,11 +429,19 @@ impl DispatcherActor {
                         }
                         return;
                     }
+                    // Its output is quoted as any crash's is (a file read: off the actor thread).
+                    let tail = actix_rt::task::spawn_blocking(move || {
+                        log_start.tail(&log_path, outcome::LOG_TAIL_BYTES)
+                    })
+                    .await
+                    .unwrap_or_default();
                     let r = store
                         .with_tx(move |tx, now| {
                             tx.record_worker_exit(run_id, outcome::exit_info(None), false, now)?;
-                            let error =
-                                format!("worker exited while unsupervised ({})", reason.as_str());
+                            let error = outcome::with_tail(
+                                format!("worker exited while unsupervised ({})", reason.as_str()),
+                                &tail,
+                            );
                             outcome::fail(
                                 tx,
                                 run_id,
