@@ -520,3 +520,36 @@ fn ls_says_when_its_default_limit_cut_the_list() {
     }
     d.assert_healthy();
 }
+
+/// A task id that is not one (negative, zero, a fraction, a word) is refused before anything
+/// is sent, with one message for every command that takes ids — `-1` included, which is not
+/// taken for an unknown flag.
+#[test]
+fn a_task_id_that_is_not_one_gets_a_clear_usage_error() {
+    let mut d = daemon();
+    let cases: &[&[&str]] = &[
+        &["show", "-1"],
+        &["show", "1.5"],
+        &["runs", "0"],
+        &["logs", "abc"],
+        &["events", "-5"],
+        &["wait", "1", "x"],
+        &["link", "1", "-2"],
+        &["complete", "0"],
+        &["block", "-3", "a reason"],
+        &["archive", "1e3"],
+        &["add", "t", "--parent", "-1"],
+    ];
+    for args in cases {
+        let (code, err) = failed(&d.cli(args));
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(
+            err.contains("task ids are whole numbers from 1"),
+            "{args:?}: {err}"
+        );
+    }
+    // Nothing reached the board.
+    let listed = ok_json(&d.cli(&["ls", "--json"]));
+    assert_eq!(listed.as_array().unwrap().len(), 0);
+    d.assert_healthy();
+}

@@ -80,6 +80,7 @@ pub enum Command {
     /// Show a task: its state, runs, recent events and comments.
     Show {
         /// The task.
+        #[arg(value_parser = task_id, allow_negative_numbers = true)]
         id: TaskId,
         /// How many recent events to show.
         #[arg(long, default_value_t = 20)]
@@ -88,6 +89,7 @@ pub enum Command {
     /// List a task's runs (attempts).
     Runs {
         /// The task.
+        #[arg(value_parser = task_id, allow_negative_numbers = true)]
         id: TaskId,
     },
     /// Print the event log, or one task's; --follow keeps printing events as they commit.
@@ -102,16 +104,19 @@ pub enum Command {
     /// Return a blocked task to ready (its failure count reset).
     Unblock {
         /// The task.
+        #[arg(value_parser = task_id, allow_negative_numbers = true)]
         id: TaskId,
     },
     /// Archive a task; a running task's worker is ended.
     Archive {
         /// The task.
+        #[arg(value_parser = task_id, allow_negative_numbers = true)]
         id: TaskId,
     },
     /// Release a running task back to ready; its worker is ended.
     Reclaim {
         /// The task.
+        #[arg(value_parser = task_id, allow_negative_numbers = true)]
         id: TaskId,
         /// Recorded on the run.
         #[arg(long)]
@@ -120,13 +125,16 @@ pub enum Command {
     /// Make CHILD wait until PARENT is done.
     Link {
         /// The task to wait for.
+        #[arg(value_parser = task_id, allow_negative_numbers = true)]
         parent: TaskId,
         /// The task that waits.
+        #[arg(value_parser = task_id, allow_negative_numbers = true)]
         child: TaskId,
     },
     /// Comment on a task.
     Comment {
         /// The task.
+        #[arg(value_parser = task_id, allow_negative_numbers = true)]
         id: TaskId,
         /// The comment.
         text: String,
@@ -204,6 +212,15 @@ impl From<ClientError> for CliError {
             },
             e => CliError::failure(e.to_string()),
         }
+    }
+}
+
+/// Parses a task id argument: a clear message for what is not one (clap's own says "invalid
+/// digit found in string", and takes `-1` for an unknown flag).
+pub(crate) fn task_id(s: &str) -> Result<TaskId, String> {
+    match s.trim().parse::<TaskId>() {
+        Ok(id) if id >= 1 => Ok(id),
+        _ => Err("task ids are whole numbers from 1".into()),
     }
 }
 

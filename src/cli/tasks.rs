@@ -26,7 +26,7 @@ pub struct AddArgs {
     #[arg(long, short, default_value_t = 0, allow_negative_numbers = true)]
     pub priority: i64,
     /// A task this one waits for (repeatable).
-    #[arg(long = "parent", value_name = "ID")]
+    #[arg(long = "parent", value_name = "ID", value_parser = super::task_id, allow_negative_numbers = true)]
     pub parents: Vec<TaskId>,
     /// Longest a run may take, e.g. "30m"; "0s" for no limit (default: the assignee's).
     #[arg(long, value_parser = humantime::parse_duration)]

@@ -23,6 +23,7 @@ const LOG_POLL: Duration = Duration::from_millis(200);
 #[derive(Debug, Args)]
 pub struct EventsArgs {
     /// Only this task's events.
+    #[arg(value_parser = super::task_id, allow_negative_numbers = true)]
     pub id: Option<TaskId>,
     /// Keep printing events as they commit (with --json: one JSON object per line).
     #[arg(long, short)]
@@ -36,6 +37,7 @@ pub struct EventsArgs {
 #[derive(Debug, Args)]
 pub struct LogsArgs {
     /// The task.
+    #[arg(value_parser = super::task_id, allow_negative_numbers = true)]
     pub id: TaskId,
     /// Keep printing as the log grows (like `tail -f`).
     #[arg(long, short)]
@@ -46,7 +48,7 @@ pub struct LogsArgs {
 #[derive(Debug, Args)]
 pub struct WaitArgs {
     /// The tasks to wait for.
-    #[arg(required = true)]
+    #[arg(required = true, value_parser = super::task_id, allow_negative_numbers = true)]
     pub ids: Vec<TaskId>,
     /// Give up after this long, e.g. "90s", "10m" (exit 124).
     #[arg(long, value_parser = humantime::parse_duration)]

@@ -21,6 +21,7 @@ use crate::control::protocol::{self, Block, Complete, Heartbeat};
 #[derive(Debug, Args)]
 pub struct CompleteArgs {
     /// The task (inside a worker: default its own).
+    #[arg(value_parser = super::task_id, allow_negative_numbers = true)]
     pub id: Option<TaskId>,
     /// The result to record.
     #[arg(long, short)]
@@ -34,7 +35,7 @@ pub struct CompleteArgs {
 #[derive(Debug, Args)]
 pub struct BlockArgs {
     /// `ID REASON`, or just `REASON` inside a worker (its own task).
-    #[arg(value_name = "ARGS", required = true, num_args = 1..=2)]
+    #[arg(value_name = "ARGS", required = true, num_args = 1..=2, allow_negative_numbers = true)]
     pub args: Vec<String>,
     /// As an operator, block even though the task's worker may still be alive.
     #[arg(long)]
@@ -117,9 +118,8 @@ pub fn complete(cli: &Cli, out: Out, args: &CompleteArgs) -> Result<(), CliError
 pub fn block(cli: &Cli, out: Out, args: &BlockArgs) -> Result<(), CliError> {
     let (id, reason) = match args.args.as_slice() {
         [id, reason] => {
-            let id = id
-                .parse::<TaskId>()
-                .map_err(|_| CliError::usage(format!("task id must be a number, not {id:?}")))?;
+            let id = super::task_id(id)
+                .map_err(|e| CliError::usage(format!("invalid task id {id:?}: {e}")))?;
             (Some(id), reason.clone())
         }
         [reason] => (None, reason.clone()),
