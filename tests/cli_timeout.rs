@@ -1,6 +1,6 @@
-//! An operator's command against a supervisor that does not answer (here: stopped with
-//! SIGSTOP) gives up after `RUNWARDEN_TIMEOUT` with exit 124 and one line saying so, instead
-//! of hanging a script for ever; `events --follow` is not cut off by a quiet stretch longer
+//! An operator's command (or a worker's report) against a supervisor that does not answer
+//! (here: stopped with SIGSTOP) gives up after `RUNWARDEN_TIMEOUT` with exit 124 and one line
+//! saying so, instead of hanging a script for ever; `events --follow` is not cut off by a quiet stretch longer
 //! than that timeout, and goes on once the supervisor answers again. A `RUNWARDEN_TIMEOUT`
 //! that is not a duration is refused (exit 2), not silently replaced by the default.
 
@@ -66,6 +66,20 @@ fn an_unanswering_supervisor_times_out_operator_commands_but_not_followers() {
     );
     assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
     assert!(started.elapsed() >= Duration::from_secs(1));
+    // A worker's report, which rides out a supervisor that is not listening, gives up the
+    // same way on one that accepted it and does not answer: it must not hang the worker.
+    let mut heartbeat = with_timeout(&["heartbeat"]);
+    heartbeat
+        .env("RUNWARDEN_TASK_ID", &before)
+        .env("RUNWARDEN_RUN_ID", "1")
+        .env("RUNWARDEN_RUN_TOKEN", "not-a-real-token");
+    let out = run(heartbeat);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(124), "a worker's report: {stderr}");
+    assert!(
+        stderr.contains("no answer from the supervisor within 1s"),
+        "{stderr}"
+    );
 
     // The follower has been waiting longer than the timeout by now, and waits on.
     drop(resume);

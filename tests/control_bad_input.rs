@@ -13,6 +13,9 @@
 //!   the oldest left out and counted (`omitted_comments`, `omitted_events`);
 //! - a client that sends requests but does not read the replies: the server stops reading
 //!   it once 8 MiB of replies wait, and answers everything once the client reads;
+//! - a client that pipelines small writes answered with a big task (`block`/`unblock` of a
+//!   task with a large body) and does not read: at most a few are in flight at once, so the
+//!   supervisor's memory stays small, and every one is answered once the client reads;
 //! - a task for an assignee the config does not have: `bad_request` naming the configured
 //!   ones (library: `SupervisorError::UnknownAssignee`), nothing added.
 
@@ -76,6 +79,13 @@ fn malformed_lines_get_bad_request_and_the_connection_goes_on() {
     assert!(message(&r).contains("missing field `task`"), "{r}");
     let r = c.call(r#"{"id":{"a":1},"op":"status"}"#);
     assert!(message(&r).contains("field `id`"), "{r}");
+    for (id, says) in [("-1", "a negative number"), ("1.5", "a fraction")] {
+        let r = c.call(&format!(r#"{{"id":{id},"op":"status"}}"#));
+        assert!(
+            message(&r).contains("field `id`") && message(&r).contains(says),
+            "{r}"
+        );
+    }
     let r = c.call(r#"{"id":10,"op":5}"#);
     assert!(message(&r).contains("field `op`"), "{r}");
     let r = c.call("[1,2,3]");
@@ -116,6 +126,14 @@ fn an_oversized_line_gets_too_large_and_is_closed() {
     assert_eq!(
         r["ok"], true,
         "a line of exactly max_request_bytes is accepted"
+    );
+    // Ended by CRLF too: the `\r` is not part of the request.
+    let r = c.call(&format!(
+        "{{\"id\":2,\"op\":\"add_task\",\"title\":\"{title}\"}}\r"
+    ));
+    assert_eq!(
+        r["ok"], true,
+        "a line of max_request_bytes ended by CRLF is accepted: {r}"
     );
 
     let mut ok = d.client();
@@ -506,6 +524,76 @@ fn a_client_that_does_not_read_is_held_back_and_then_answered_in_full() {
     d.assert_healthy();
 }
 
+/// The supervisor's peak resident memory (`VmHWM`), in KiB.
+fn peak_rss_kib(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("its status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/<pid>/status")
+}
+
+#[test]
+fn small_writes_answered_with_a_big_task_cannot_pile_up_replies_in_memory() {
+    let mut d = Daemon::start("", "");
+    // No assignee: it stays put, and an operator may block and unblock it at will. Each
+    // reply that carries it is about 512 KiB; each request is under 100 bytes.
+    let task = add_tasks(&mut d.client(), [big_task(0, 256 * 1024)])[0];
+    let before = d.client().status().expect("status").last_event_id;
+    let peak_before = peak_rss_kib(d.pid());
+    const PAIRS: usize = 200;
+    let mut c = d.raw();
+    c.hello();
+    let mut lines = Vec::new();
+    for i in 0..PAIRS {
+        lines.extend_from_slice(
+            format!(
+                "{{\"id\":{},\"op\":\"block\",\"task\":{task},\"reason\":\"r{i}\"}}\n\
+                 {{\"id\":{},\"op\":\"unblock\",\"task\":{task}}}\n",
+                2 * i + 1,
+                2 * i + 2
+            )
+            .as_bytes(),
+        );
+    }
+    // All of it fits the socket's buffers: the client's writes complete whether or not the
+    // server reads, and the client reads nothing for now.
+    c.send(&lines);
+    // Wait until the server stops taking requests (no event for a second).
+    let mut status = d.client();
+    let mut last = (before, Instant::now());
+    let settled = common::proc_guard::wait_until(SETTLE, || {
+        let now = status.status().expect("status").last_event_id;
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+        now - before >= 2 * PAIRS as i64 || last.1.elapsed() >= Duration::from_secs(1)
+    });
+    assert!(settled, "the server neither stopped nor finished");
+    let taken = last.0 - before;
+    // A few in flight and 8 MiB of replies queued: tens of requests, not a thousand. Without
+    // the bound every request was taken, its reply built, and the memory grew by ~400 MiB.
+    assert!(
+        taken < 100,
+        "the server kept taking requests from a client that does not read: {taken} events"
+    );
+    let grew = peak_rss_kib(d.pid()).saturating_sub(peak_before);
+    assert!(
+        grew < 128 * 1024,
+        "the supervisor's peak memory grew by {grew} KiB for one client that does not read"
+    );
+    // Nothing was dropped: once the client reads, every request is answered, in order.
+    for id in 1..=2 * PAIRS {
+        let r = c.recv().expect("a reply");
+        assert_eq!(r["id"], id, "in order");
+        assert_eq!(r["ok"], true, "{id}: {}", r["error"]);
+        assert_eq!(r["result"]["task"]["id"], task);
+    }
+    d.client().status().expect("still serving");
+    d.assert_healthy();
+}
+
 #[test]
 fn a_task_for_an_assignee_that_is_not_configured_is_refused() {
     let mut d = Daemon::start("", "[assignees.coder]\ncommand = [\"true\"]\n");
@@ -548,10 +636,13 @@ fn out_of_range_task_limits_are_refused_naming_the_field() {
     let mut d = daemon();
     let mut c = d.raw();
     c.hello();
+    // A key is a name: a megabyte of one would ride on every reply that carries the task.
+    let long_key = format!("\"{}\"", "k".repeat(runwarden::board::MAX_NAME_BYTES + 1));
     for (i, (field, value)) in [
         ("max_retries", "-3"),
         ("max_runtime_ms", "-5"),
         ("max_runtime_ms", "3155760000000001"),
+        ("idempotency_key", long_key.as_str()),
     ]
     .into_iter()
     .enumerate()
@@ -567,6 +658,11 @@ fn out_of_range_task_limits_are_refused_naming_the_field() {
     // In range (0 is "no limit"), it is taken.
     let r = c.call(r#"{"id":10,"op":"add_task","title":"t","max_retries":0,"max_runtime_ms":0}"#);
     assert_eq!(r["ok"], true, "{r}");
+    let key = "k".repeat(runwarden::board::MAX_NAME_BYTES);
+    let r = c.call(&format!(
+        r#"{{"id":11,"op":"add_task","title":"t","idempotency_key":"{key}"}}"#
+    ));
+    assert_eq!(r["ok"], true, "a key of the longest length is taken: {r}");
 
     // The CLI does not wrap a duration too long for the protocol into a negative number.
     let out = d.cli(&["add", "t", "--max-runtime", "300000000years"]);

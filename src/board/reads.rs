@@ -162,6 +162,8 @@ impl Tx<'_> {
                 + t.body.len()
                 + t.result.as_ref().map_or(0, String::len)
                 + t.block_reason.as_ref().map_or(0, String::len)
+                + t.idempotency_key.as_ref().map_or(0, String::len)
+                + t.assignee.as_ref().map_or(0, String::len)
         })?)
     }
 

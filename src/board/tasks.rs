@@ -8,6 +8,10 @@ use super::{BoardError, Result, Tx, changed_one};
 
 /// The longest max runtime a task may ask for: 100 years, as for durations in the config.
 const MAX_RUNTIME_MS: i64 = 100 * 31_557_600 * 1000;
+/// The longest idempotency key and assignee name, in bytes. Both are names, and both ride on
+/// every reply that carries the task: unbounded, a client could make every such reply (and a
+/// task list, which bounds the texts it returns) as large as a request.
+pub const MAX_NAME_BYTES: usize = 256;
 
 impl Tx<'_> {
     /// Creates a task: `ready`, or `todo` while any parent is unfinished. With an idempotency key
@@ -31,6 +35,19 @@ impl Tx<'_> {
             return Err(BoardError::Invalid(format!(
                 "max_retries must not be negative, not {n}"
             )));
+        }
+        for (what, name) in [
+            ("idempotency_key", &new.idempotency_key),
+            ("assignee", &new.assignee),
+        ] {
+            if let Some(name) = name
+                && name.len() > MAX_NAME_BYTES
+            {
+                return Err(BoardError::Invalid(format!(
+                    "{what} must be at most {MAX_NAME_BYTES} bytes, not {}",
+                    name.len()
+                )));
+            }
         }
         if let Some(key) = &new.idempotency_key {
             let existing: Option<TaskId> = self

@@ -191,6 +191,10 @@ fn request<T>(
         return Ok(send(&mut client)?);
     }
     let path = super::socket_path(cli)?;
+    // Each attempt waits for its answer as an operator's command does: a supervisor that
+    // accepted the connection but does not answer (stopped, wedged) must not hold the worker
+    // for ever. A reply that times out may still be applied, so it is not retried (exit 124).
+    let timeout = super::reply_timeout()?;
     let wait = std::env::var("RUNWARDEN_CONNECT_WAIT")
         .ok()
         .and_then(|v| humantime::parse_duration(&v).ok())
@@ -201,6 +205,8 @@ fn request<T>(
     let mut retried = false;
     loop {
         let attempt = Client::connect(&path).and_then(|mut client| {
+            client.set_read_timeout(timeout)?;
+            client.set_write_timeout(timeout)?;
             client.hello()?;
             send(&mut client)
         });

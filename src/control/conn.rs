@@ -13,9 +13,14 @@
 //! has been answered, so it sees their effects. `events --follow` turns into a stream task that
 //! writes event lines through the same writer.
 //!
-//! Memory per connection is bounded: at most [`WINDOW`] requests in flight, and no new request
-//! is started while [`MAX_QUEUED_BYTES`](super::out::MAX_QUEUED_BYTES) of replies wait for a client that reads too slowly.
+//! Memory per connection is bounded: at most [`WINDOW`] requests in flight, of which at most
+//! [`TASK_REPLY_WINDOW`] answer with a whole task, and no new request is started while
+//! [`MAX_QUEUED_BYTES`](super::out::MAX_QUEUED_BYTES) of replies wait for a client that reads
+//! too slowly. (A reply exists, and takes memory, from the moment its commit answers, whether
+//! or not the client reads: a few-byte `block` whose reply carries a task with a 1 MiB body
+//! must not be admitted a thousand at a time.)
 
+use std::collections::VecDeque;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -38,6 +43,9 @@ use super::server::{Peer, Shared};
 
 /// Requests of one connection in flight at once; reading pauses while the window is full.
 const WINDOW: usize = 1024;
+/// Of those, requests answered with a whole task (`complete`, `block`, `unblock`, `archive`,
+/// `reclaim`): a task's texts may be megabytes, and its reply exists from its commit on.
+const TASK_REPLY_WINDOW: usize = 8;
 /// Followed `events` streams open at once on one connection: each reads the board through the
 /// shared read pool while it catches up, so one client must not start arbitrarily many.
 const MAX_STREAMS: usize = 4;
@@ -81,6 +89,9 @@ pub(super) async fn serve(
         hello: false,
     };
     let mut window: FuturesOrdered<LocalBoxFuture<'static, Outcome>> = FuturesOrdered::new();
+    // For each request in the window, in order: whether it is answered with a whole task.
+    let mut task_replies: VecDeque<bool> = VecDeque::new();
+    let mut task_replies_in_flight = 0usize;
     // A request that must wait for the window to drain before it starts.
     let mut held: Option<(RequestId, Request)> = None;
     // True while the request in the window must be answered before anything else is read.
@@ -113,6 +124,7 @@ pub(super) async fn serve(
                 // no longer counts against the limit.
                 let open = streams.iter().filter(|s| !s.is_finished()).count();
                 window.push_back(start_held(&shared, &session, id, req, open));
+                task_replies.push_back(false);
             }
         }
         // After EOF the connection lives on while streams are open: a client that shut down
@@ -125,6 +137,7 @@ pub(super) async fn serve(
             && held.is_none()
             && !exclusive
             && window.len() < WINDOW
+            && task_replies_in_flight < TASK_REPLY_WINDOW
             && !out.over();
         // Idle means: nothing in flight, no stream, every reply written, and no line (a
         // request or a blank keep-alive) for idle_timeout. A client still reading a long
@@ -151,6 +164,9 @@ pub(super) async fn serve(
                 closing = true;
             }
             Some(outcome) = window.next(), if !window.is_empty() => {
+                if task_replies.pop_front() == Some(true) {
+                    task_replies_in_flight -= 1;
+                }
                 let (line, stream) = match outcome {
                     Outcome::Line(line) => (line, None),
                     Outcome::Stream(line, stream) => (line, Some(stream)),
@@ -171,8 +187,12 @@ pub(super) async fn serve(
                 match line {
                     Ok(Some(line)) => {
                         idle_timer.as_mut().reset(Instant::from_std(crate::deadline_after(idle)));
-                        if let Some(started) = on_line(&shared, &mut session, &line, &mut held) {
+                        if let Some((started, task_reply)) =
+                            on_line(&shared, &mut session, &line, &mut held)
+                        {
                             window.push_back(started);
+                            task_replies.push_back(task_reply);
+                            task_replies_in_flight += usize::from(task_reply);
                         }
                     }
                     Ok(None) | Err(LineError::Io) => eof = true,
@@ -270,12 +290,15 @@ fn on_line(
     session: &mut Session,
     line: &[u8],
     held: &mut Option<(RequestId, Request)>,
-) -> Option<LocalBoxFuture<'static, Outcome>> {
+) -> Option<(LocalBoxFuture<'static, Outcome>, bool)> {
     if line.iter().all(u8::is_ascii_whitespace) {
         return None; // Blank lines are keep-alives, not requests.
     }
-    let answer = |r: Response| -> Option<LocalBoxFuture<'static, Outcome>> {
-        Some(Box::pin(std::future::ready(Outcome::Line(r.to_line()))))
+    let answer = |r: Response| -> Option<(LocalBoxFuture<'static, Outcome>, bool)> {
+        Some((
+            Box::pin(std::future::ready(Outcome::Line(r.to_line()))),
+            false,
+        ))
     };
     let (id, mut req) = match protocol::parse_request(line) {
         Ok(parsed) => parsed,
@@ -300,7 +323,8 @@ fn on_line(
         c.author = Some(name.clone());
     }
     if req.is_pipelined_write() && !waits_for_user_name(&req) {
-        Some(ops::start(shared, session, id, req))
+        let task_reply = req.replies_with_task();
+        Some((ops::start(shared, session, id, req), task_reply))
     } else {
         // Started by the loop once every earlier request has been answered.
         *held = Some((id, req));
@@ -355,13 +379,18 @@ async fn read_line(
             if partial.is_empty() {
                 return Ok(None);
             }
+            if partial.len() > max {
+                return Err(LineError::TooLarge);
+            }
             return Ok(Some(std::mem::take(partial)));
         }
         let (take, done) = match buf.iter().position(|&b| b == b'\n') {
             Some(pos) => (pos, true),
             None => (buf.len(), false),
         };
-        if partial.len() + take > max {
+        // One byte over for a trailing `\r`, which is not part of the request: a line of
+        // `max` bytes ended by CRLF is as acceptable as one ended by LF.
+        if partial.len() + take > max + 1 {
             return Err(LineError::TooLarge);
         }
         partial.extend_from_slice(&buf[..take]);
@@ -369,6 +398,9 @@ async fn read_line(
         if done {
             if partial.last() == Some(&b'\r') {
                 partial.pop();
+            }
+            if partial.len() > max {
+                return Err(LineError::TooLarge);
             }
             return Ok(Some(std::mem::take(partial)));
         }

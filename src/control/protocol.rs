@@ -158,6 +158,18 @@ requests! {
 }
 
 impl Request {
+    /// True for a request answered with a whole task ([`TaskReply`]).
+    pub fn replies_with_task(&self) -> bool {
+        matches!(
+            self,
+            Request::Complete(_)
+                | Request::Block(_)
+                | Request::Unblock(_)
+                | Request::Archive(_)
+                | Request::Reclaim(_)
+        )
+    }
+
     /// True for the ops that only go through the store's write transaction. These pipeline:
     /// the server submits them in arrival order without waiting for earlier replies. Every other
     /// op waits until all earlier requests of its connection have been answered, so a read
@@ -506,7 +518,12 @@ pub fn parse_request(line: &[u8]) -> Result<(RequestId, Request), ParseError> {
                 None,
                 format!(
                     "field `id` must be a non-negative integer or a string, not {}",
-                    kind_of(&v)
+                    match &v {
+                        Value::Number(n) if n.is_i64() => "a negative number",
+                        Value::Number(n) if n.is_f64() => "a fraction",
+                        Value::Number(_) => "a number above 2^64 - 1",
+                        other => kind_of(other),
+                    }
                 ),
             )
         })?,
