@@ -217,12 +217,13 @@ fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
     // Whatever happens, every carrier is SIGKILLed through its own verified pidfd.
     let cleanup_token = token.clone();
     let _cleanup = scopeguard(move || {
-        for fd in pidfds_by_token(&cleanup_token) {
+        for fd in pidfds_by_token(&cleanup_token).unwrap_or_default() {
             let _ = fd.signal(Signal::SIGKILL);
         }
     });
     let alive = |token: &str| -> Vec<(Pid, Fingerprint)> {
         find_by_token(token)
+            .expect("a complete scan of /proc")
             .into_iter()
             .filter(|(p, fp)| liveness(*p, fp) == Liveness::Alive)
             .collect()

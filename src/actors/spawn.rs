@@ -935,7 +935,10 @@ mod tests {
             .and_then(|p| p.parse().ok())
             .unwrap_or_else(|| panic!("no pid in {error:?}"));
         assert!(!process::owned::is_registered(pid));
-        assert_eq!(process::descendants::find_by_token(&spec.token), []);
+        assert_eq!(
+            process::descendants::find_by_token(&spec.token).unwrap(),
+            []
+        );
     }
 
     fn spec(dir: &Path, argv: &[&str]) -> SpawnSpec {

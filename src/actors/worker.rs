@@ -91,7 +91,8 @@ fn tree_outlives_leader(pidfd: &PidFd, token: &str, young: bool) -> bool {
         || young
             .then(|| descendants::carrier_among_recent(pidfd.pid(), token))
             .flatten()
-            .unwrap_or_else(|| !descendants::find_by_token(token).is_empty())
+            // A scan that cannot be complete counts as "outlives": the evidence is kept.
+            .unwrap_or_else(|| descendants::find_by_token(token).map_or(true, |c| !c.is_empty()))
 }
 
 /// [`tree_outlives_leader`] on a thread of its own ([`super::proc_thread`]), answered within

@@ -9,7 +9,7 @@
 use std::fs;
 use std::time::{Duration, Instant};
 
-use super::{Fingerprint, Pid, fingerprint};
+use super::{Fingerprint, Pid, ProcessError, fingerprint};
 
 /// The environment entry every process of a run carries.
 fn needle(token: &str) -> Vec<u8> {
@@ -18,7 +18,10 @@ fn needle(token: &str) -> Vec<u8> {
 
 /// Processes (other than ourselves) whose environment holds `RUNWARDEN_RUN_TOKEN=<token>`,
 /// with their fingerprints, so the caller can signal them only through a verified pidfd.
-/// Unreadable entries (vanished, permission) are skipped.
+/// Processes that vanish mid-scan are skipped. An `Err` when the scan cannot be complete:
+/// /proc cannot be listed, or a live process's identity or environment cannot be read (out of
+/// file descriptors, say). "None found" must mean none: callers clear a run's evidence and
+/// release its task on it, so an incomplete scan is not read as an empty one.
 ///
 /// The fingerprint is read BEFORE the environment. The caller's `open_verified(pid, &fp)`
 /// re-reads it after opening a pidfd, so the token check and the fd are tied to one process:
@@ -26,17 +29,22 @@ fn needle(token: &str) -> Vec<u8> {
 /// environment was read, or after), the start time differs and verification fails. Reading the
 /// environment first would let a stranger that took the pid in between verify against its own
 /// fingerprint.
-pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
+pub fn find_by_token(token: &str) -> Result<Vec<(Pid, Fingerprint)>, ProcessError> {
     if token.is_empty() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let needle = needle(token);
     let me = std::process::id() as Pid;
-    let Ok(dir) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
+    let dir = fs::read_dir("/proc").map_err(|source| ProcessError::System {
+        what: "list /proc",
+        source,
+    })?;
     let (mut found, mut again) = (Vec::new(), Vec::new());
-    for entry in dir.flatten() {
+    for entry in dir {
+        let entry = entry.map_err(|source| ProcessError::System {
+            what: "list /proc",
+            source,
+        })?;
         let Some(pid) = entry
             .file_name()
             .to_str()
@@ -48,49 +56,95 @@ pub fn find_by_token(token: &str) -> Vec<(Pid, Fingerprint)> {
             continue;
         }
         // Identity first, then the environment (see above).
-        let Ok(fp) = fingerprint(pid) else { continue };
+        let fp = match fingerprint(pid) {
+            Ok(fp) => fp,
+            Err(ProcessError::NoSuchProcess { .. }) => continue,
+            Err(e) => return Err(e),
+        };
         match carries_now(pid, &needle) {
-            Some(true) => found.push((pid, fp)),
-            Some(false) => {}
-            None => again.push((pid, fp)),
+            Env::Carries => found.push((pid, fp)),
+            Env::Not => {}
+            Env::MidExec => again.push((pid, fp)),
+            Env::Unreadable => return Err(unreadable_environ(pid)),
         }
     }
     // Those caught mid-exec, read again after one wait for them all.
     if !again.is_empty() {
         std::thread::sleep(MID_EXEC);
-        found.extend(
-            again
-                .into_iter()
-                .filter(|(pid, _)| carries_now(*pid, &needle) == Some(true)),
-        );
-    }
-    found
-}
-
-/// Whether `pid` (not ourselves) carries the token behind `needle`, or `None` when it cannot
-/// be told yet: a process caught in the middle of an exec shows an empty environment for a
-/// moment (the new image's is not laid out yet; measured: one read in ten right after a
-/// spawn), so an empty one of a process that is not a kernel thread is to be read again.
-fn carries_now(pid: Pid, needle: &[u8]) -> Option<bool> {
-    if pid == std::process::id() as Pid {
-        return Some(false);
-    }
-    match read_environ(pid) {
-        Some(env) if env.is_empty() => {
-            let kernel = super::read_stat(pid).map_or(true, |s| s.is_kernel_thread());
-            (kernel).then_some(false)
+        for (pid, fp) in again {
+            match carries_now(pid, &needle) {
+                Env::Carries => found.push((pid, fp)),
+                Env::Not | Env::MidExec => {}
+                Env::Unreadable => return Err(unreadable_environ(pid)),
+            }
         }
-        Some(env) => Some(env.split(|&b| b == 0).any(|var| var == needle)),
-        None => Some(false),
+    }
+    Ok(found)
+}
+
+fn unreadable_environ(pid: Pid) -> ProcessError {
+    ProcessError::Io {
+        pid,
+        what: "read /proc/<pid>/environ",
+        source: std::io::Error::other("the environment of a live process cannot be read"),
     }
 }
 
-/// [`carries_now`], an empty environment read again once after a millisecond.
-fn carries(pid: Pid, needle: &[u8]) -> bool {
-    carries_now(pid, needle).unwrap_or_else(|| {
+/// What a read of a process's environment told about the token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Env {
+    Carries,
+    /// Does not carry it (or is gone, or is a kernel thread).
+    Not,
+    /// Empty: caught in the middle of an exec (the new image's environment is not laid out
+    /// yet; measured: one read in ten right after a spawn); to be read again.
+    MidExec,
+    /// A live process whose environment cannot be read (out of file descriptors, say).
+    Unreadable,
+}
+
+/// Whether `pid` (not ourselves) carries the token behind `needle`.
+fn carries_now(pid: Pid, needle: &[u8]) -> Env {
+    if pid == std::process::id() as Pid {
+        return Env::Not;
+    }
+    let gone = || {
+        matches!(
+            super::read_stat(pid),
+            Err(ProcessError::NoSuchProcess { .. })
+        )
+    };
+    match read_environ(pid) {
+        Ok(env) if env.is_empty() => {
+            let kernel = super::read_stat(pid).map_or(true, |s| s.is_kernel_thread());
+            if kernel { Env::Not } else { Env::MidExec }
+        }
+        Ok(env) if env.split(|&b| b == 0).any(|var| var == needle) => Env::Carries,
+        Ok(_) => Env::Not,
+        // Refused for good (another namespace's process, a non-dumpable one): nothing can
+        // prove it ours, now or later, so it is not taken for a carrier (the limit the docs
+        // name, as for a descendant that clears its environment).
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) => Env::Not,
+        // No memory to read: a kernel thread, or a process already exiting.
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Env::Not,
+        Err(_) if gone() => Env::Not,
+        Err(_) => Env::Unreadable,
+    }
+}
+
+/// [`carries_now`], an empty environment read again once after a millisecond; `None` when it
+/// cannot be told.
+fn carries(pid: Pid, needle: &[u8]) -> Option<bool> {
+    let mut env = carries_now(pid, needle);
+    if env == Env::MidExec {
         std::thread::sleep(MID_EXEC);
-        carries_now(pid, needle) == Some(true)
-    })
+        env = carries_now(pid, needle);
+    }
+    match env {
+        Env::Carries => Some(true),
+        Env::Not | Env::MidExec => Some(false),
+        Env::Unreadable => None,
+    }
 }
 
 /// How long an exec is given to lay out its environment before it is read again.
@@ -144,11 +198,19 @@ pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
             }
             match kin(pid) {
                 Kin::Gone | Kin::SharesOurMemory => {}
-                Kin::Other if carries(pid, &needle) => return Some(true),
-                Kin::Other => {}
+                // Unreadable: nothing told about this pid; the caller scans instead.
+                Kin::Other => {
+                    if carries(pid, &needle)? {
+                        return Some(true);
+                    }
+                }
                 Kin::Unknown => match super::PidFd::open(pid) {
-                    Ok(_) if carries(pid, &needle) => return Some(true),
-                    Ok(_) | Err(super::ProcessError::NoSuchProcess { .. }) => {}
+                    Ok(_) => {
+                        if carries(pid, &needle)? {
+                            return Some(true);
+                        }
+                    }
+                    Err(super::ProcessError::NoSuchProcess { .. }) => {}
                     // Out of fds, say: nothing told about this pid; the caller scans instead.
                     Err(_) => return None,
                 },
@@ -276,20 +338,19 @@ fn pid_max() -> Option<Pid> {
         .ok()
 }
 
-/// `/proc/<pid>/environ`, or `None` if it cannot be read. A process whose main thread has
-/// exited alone (`pthread_exit` in main; its other threads run on) shows no environment
-/// through its main thread; it is the whole process's, so it is read through a thread that
-/// still runs.
-fn read_environ(pid: Pid) -> Option<Vec<u8>> {
+/// `/proc/<pid>/environ`, or why it cannot be read. A process whose main thread has exited
+/// alone (`pthread_exit` in main; its other threads run on) shows no environment through its
+/// main thread; it is the whole process's, so it is read through a thread that still runs.
+fn read_environ(pid: Pid) -> std::io::Result<Vec<u8>> {
     let env = fs::read(format!("/proc/{pid}/environ"));
     if env.as_ref().is_ok_and(|e| !e.is_empty()) {
-        return env.ok();
+        return env;
     }
     if !super::read_stat(pid).is_ok_and(|s| s.main_thread_exited_alone()) {
-        return env.ok();
+        return env;
     }
-    fs::read_dir(format!("/proc/{pid}/task"))
-        .ok()?
+    let threads = fs::read_dir(format!("/proc/{pid}/task"))?;
+    let through_thread = threads
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<Pid>().ok())
         .filter(|&tid| tid != pid)
@@ -297,7 +358,8 @@ fn read_environ(pid: Pid) -> Option<Vec<u8>> {
             fs::read(format!("/proc/{pid}/task/{tid}/environ"))
                 .ok()
                 .filter(|e| !e.is_empty())
-        })
+        });
+    through_thread.map_or(env, Ok)
 }
 
 /// Signals one straggler: its whole group when it leads one (a `setsid` escapee does), else
@@ -407,15 +469,16 @@ pub fn end_stray_orphans(
     fds.iter().map(|fd| fd.pid()).collect()
 }
 
-/// Opens verified pidfds for every process carrying `token` (see [`find_by_token`]).
-pub fn pidfds_by_token(token: &str) -> Vec<super::PidFd> {
-    find_by_token(token)
+/// Opens verified pidfds for every process carrying `token` (see [`find_by_token`], whose
+/// error it passes on: the scan could not be complete).
+pub fn pidfds_by_token(token: &str) -> Result<Vec<super::PidFd>, ProcessError> {
+    Ok(find_by_token(token)?
         .into_iter()
         .filter_map(|(pid, fp)| match super::open_verified(pid, &fp) {
             Ok(super::Verified::Ours(fd)) => Some(fd),
             _ => None,
         })
-        .collect()
+        .collect())
 }
 
 /// Ends every process carrying `token`: SIGTERM to each verified carrier (its whole group when
@@ -424,13 +487,14 @@ pub fn pidfds_by_token(token: &str) -> Vec<super::PidFd> {
 /// by one being ended). Every signal goes through a pidfd verified against a fingerprint read
 /// before the token (see [`find_by_token`]). Blocking. Returns how many carriers were
 /// signalled, or an error when one SIGKILLed is still there after `AFTER_SIGKILL` (5 s)
-/// (uninterruptible sleep): callers keep the run's evidence then, since "ended" must mean gone.
+/// (uninterruptible sleep), or when a scan could not be complete: callers keep the run's
+/// evidence then, since "ended" must mean gone.
 pub fn end_token_carriers(
     token: &str,
     kill_timeout: Duration,
 ) -> Result<usize, super::ProcessError> {
     let deadline = super::deadline_after(kill_timeout);
-    end_carriers(pidfds_by_token(token), token, deadline)
+    end_carriers(pidfds_by_token(token)?, token, deadline)
 }
 
 /// [`end_token_carriers`] for carriers already found (SIGTERMed already or not: a second
@@ -453,7 +517,7 @@ fn end_carriers(
     }
     // A carrier may have forked after the first scan; its children carry the token too.
     // Verification only passes live processes, so everything found here is still running.
-    let late: Vec<super::PidFd> = pidfds_by_token(token);
+    let late: Vec<super::PidFd> = pidfds_by_token(token)?;
     for fd in &late {
         signal_straggler(fd, super::Signal::SIGKILL);
     }
@@ -487,7 +551,12 @@ pub fn terminate_tree(
     // The group first: the /proc scan for stragglers takes milliseconds and must not delay
     // the signal the worker itself is waiting for. (terminate_group repeats it; harmless.)
     let _ = leader.signal_group(super::Signal::SIGTERM);
-    let stragglers = pidfds_by_token(token);
+    // A scan that cannot be complete does not hold up the group's end; it fails the whole end
+    // afterwards, so the run's evidence is kept and the end tried again.
+    let (stragglers, incomplete) = match pidfds_by_token(token) {
+        Ok(found) => (found, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
     for fd in &stragglers {
         signal_straggler(fd, super::Signal::SIGTERM);
     }
@@ -495,6 +564,9 @@ pub fn terminate_tree(
     // Their SIGTERM went out with the group's: one deadline for both. A straggler still there
     // after SIGKILL fails the whole end, as a group member would.
     end_carriers(stragglers, token, deadline)?;
+    if let Some(e) = incomplete {
+        return Err(e);
+    }
     ended
 }
 
@@ -514,10 +586,10 @@ mod tests {
             .expect("a variable in our environment")
             .to_vec();
         let left = crate::process::testutil::ThreadsLeft::start();
-        assert_eq!(carries_now(left.0, &needle), Some(true));
+        assert_eq!(carries_now(left.0, &needle), Env::Carries);
         assert_eq!(
             carries_now(left.0, b"RUNWARDEN_RUN_TOKEN=nobody's"),
-            Some(false)
+            Env::Not
         );
     }
 
@@ -606,6 +678,6 @@ mod tests {
 
     #[test]
     fn find_by_token_never_matches_an_empty_token() {
-        assert!(find_by_token("").is_empty());
+        assert!(find_by_token("").unwrap().is_empty());
     }
 }

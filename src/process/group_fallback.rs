@@ -26,7 +26,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::liveness::all_stats;
+use super::liveness::all_stats_checked;
 use super::{PidFd, ProcStat, ProcessError, Signal, read_stat};
 
 /// Set once the kernel answered EINVAL to `PIDFD_SIGNAL_PROCESS_GROUP`: later calls go straight
@@ -83,14 +83,13 @@ fn number_recycled(leader: &PidFd) -> Result<bool, ProcessError> {
     ))
 }
 
-/// Processes (zombies included) whose pgrp is the leader's pid, from one /proc scan.
+/// Processes (zombies included) whose pgrp is the leader's pid, from one /proc scan; an
+/// `Err` when the scan cannot be complete (an unread member must not read as "group gone").
 fn scan(leader: &PidFd) -> Result<Vec<ProcStat>, ProcessError> {
     let pgid = leader.pid();
-    let stats = all_stats().ok_or_else(|| ProcessError::System {
-        what: "list /proc",
-        source: std::io::Error::other("cannot list /proc"),
-    })?;
-    Ok(stats.filter(|s| s.pgrp == pgid).collect())
+    let mut stats = all_stats_checked()?;
+    stats.retain(|s| s.pgrp == pgid);
+    Ok(stats)
 }
 
 /// A member's own pidfd, opened after the scan saw `seen`, kept only if a stat read with the fd

@@ -135,6 +135,32 @@ pub(crate) fn all_stats() -> Option<impl Iterator<Item = ProcStat>> {
     Some(proc_pids()?.filter_map(|pid| read_stat(pid).ok()))
 }
 
+/// Every process's stat, skipping entries that vanish mid-scan; an `Err` when the scan cannot
+/// be complete (/proc cannot be listed, or a live process's stat cannot be read: out of file
+/// descriptors, say). For answers where a missing entry would read as "no such process".
+pub(crate) fn all_stats_checked() -> Result<Vec<ProcStat>, ProcessError> {
+    let dir = std::fs::read_dir("/proc").map_err(|source| ProcessError::System {
+        what: "list /proc",
+        source,
+    })?;
+    let mut stats = Vec::new();
+    for entry in dir {
+        let entry = entry.map_err(|source| ProcessError::System {
+            what: "list /proc",
+            source,
+        })?;
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse().ok()) else {
+            continue;
+        };
+        match read_stat(pid) {
+            Ok(stat) => stats.push(stat),
+            Err(ProcessError::NoSuchProcess { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(stats)
+}
+
 /// The pids listed in /proc; `None` when it cannot be listed.
 fn proc_pids() -> Option<impl Iterator<Item = Pid>> {
     let dir = match std::fs::read_dir("/proc") {

@@ -334,6 +334,7 @@ pub fn cmdline(pid: Pid) -> String {
 /// run's worker and all its descendants, whatever group or session they moved to.
 pub fn procs_of_run(token: &str) -> Vec<Seen> {
     process::descendants::find_by_token(token)
+        .expect("a complete scan of /proc")
         .into_iter()
         .filter(|(pid, fp)| matches!(process::liveness(*pid, fp), Liveness::Alive))
         .map(|(pid, fingerprint)| Seen {

@@ -74,7 +74,15 @@ impl Probe {
                 // The worker is the root of the token carriers: a group leader whose parent
                 // does not carry the token (a setsid descendant leads a group too, but its
                 // parent — or its parent's parent — is a carrier).
-                let carriers = process::descendants::find_by_token(&run.token);
+                let carriers = match process::descendants::find_by_token(&run.token) {
+                    Ok(carriers) => carriers,
+                    // Whether it was ever started cannot be told: held, checked again.
+                    Err(e) => {
+                        return Probe::NotVerified(process::Liveness::Unknown(format!(
+                            "cannot look for a worker by its run token: {e}"
+                        )));
+                    }
+                };
                 let pids: std::collections::HashSet<i32> =
                     carriers.iter().map(|(p, _)| *p).collect();
                 Probe::Unstarted {
