@@ -1,8 +1,9 @@
 //! An operator's command (or a worker's report) against a supervisor that does not answer
 //! (here: stopped with SIGSTOP) gives up after `RUNWARDEN_TIMEOUT` with exit 124 and one line
 //! saying so, instead of hanging a script for ever; `events --follow` is not cut off by a quiet stretch longer
-//! than that timeout, and goes on once the supervisor answers again. A `RUNWARDEN_TIMEOUT`
-//! that is not a duration is refused (exit 2), not silently replaced by the default.
+//! than that timeout, and goes on once the supervisor answers again. A `RUNWARDEN_TIMEOUT` (or
+//! `RUNWARDEN_CONNECT_WAIT`) that is not a duration is refused (exit 2), not silently replaced
+//! by the default.
 
 #[allow(dead_code)]
 mod common;
@@ -114,5 +115,19 @@ fn a_timeout_that_is_not_a_duration_is_refused() {
             .args(["--socket", &socket, "status"]);
         ok(&run(cmd));
     }
+    // A worker's reconnect wait likewise: refused at once, not the 60 s default in silence.
+    let mut cmd = command();
+    cmd.env("RUNWARDEN_CONNECT_WAIT", "a while")
+        .env("RUNWARDEN_TASK_ID", "1")
+        .env("RUNWARDEN_RUN_ID", "1")
+        .env("RUNWARDEN_RUN_TOKEN", "t")
+        .args(["--socket", &socket, "heartbeat"]);
+    let out = run(cmd);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("RUNWARDEN_CONNECT_WAIT") && stderr.contains("not a duration"),
+        "{stderr}"
+    );
     d.assert_healthy();
 }

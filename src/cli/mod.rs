@@ -227,19 +227,27 @@ pub(crate) fn task_id(s: &str) -> Result<TaskId, String> {
 /// [`REPLY_TIMEOUT`], or `$RUNWARDEN_TIMEOUT` (`None`: wait for ever). A value that does not
 /// parse is a usage error: a typo must not silently leave the default in force.
 pub fn reply_timeout() -> Result<Option<Duration>, CliError> {
-    let wait = match std::env::var_os(TIMEOUT_ENV) {
+    let wait =
+        env_duration(TIMEOUT_ENV, "30s, 2m, or 0s to wait for ever")?.unwrap_or(REPLY_TIMEOUT);
+    Ok((!wait.is_zero()).then_some(wait))
+}
+
+/// The duration in environment variable `var` (`None`: unset or blank). A value that does not
+/// parse is a usage error naming the variable, with `examples` of what would.
+pub(crate) fn env_duration(var: &str, examples: &str) -> Result<Option<Duration>, CliError> {
+    match std::env::var_os(var) {
         Some(v) if !v.to_string_lossy().trim().is_empty() => v
             .to_str()
             .ok_or_else(|| "not UTF-8".to_string())
             .and_then(|s| humantime::parse_duration(s.trim()).map_err(|e| e.to_string()))
+            .map(Some)
             .map_err(|why| {
                 CliError::usage(format!(
-                    "{TIMEOUT_ENV}={v:?} is not a duration ({why}); e.g. 30s, 2m, or 0s to wait for ever"
+                    "{var}={v:?} is not a duration ({why}); e.g. {examples}"
                 ))
-            })?,
-        _ => REPLY_TIMEOUT,
-    };
-    Ok((!wait.is_zero()).then_some(wait))
+            }),
+        _ => Ok(None),
+    }
 }
 
 /// Loads the config the global flags name.

@@ -195,10 +195,7 @@ fn request<T>(
     // accepted the connection but does not answer (stopped, wedged) must not hold the worker
     // for ever. A reply that times out may still be applied, so it is not retried (exit 124).
     let timeout = super::reply_timeout()?;
-    let wait = std::env::var("RUNWARDEN_CONNECT_WAIT")
-        .ok()
-        .and_then(|v| humantime::parse_duration(&v).ok())
-        .unwrap_or(WORKER_CONNECT_WAIT);
+    let wait = connect_wait()?;
     let deadline = crate::deadline_after(wait);
     let mut delay = Duration::from_millis(50);
     let mut told = false;
@@ -232,6 +229,12 @@ fn request<T>(
         std::thread::sleep(delay.min(deadline.saturating_duration_since(Instant::now())));
         delay = (delay * 2).min(Duration::from_secs(2));
     }
+}
+
+/// [`WORKER_CONNECT_WAIT`], or `$RUNWARDEN_CONNECT_WAIT`. A value that does not parse is a
+/// usage error, as for `RUNWARDEN_TIMEOUT`: a typo must not silently leave the default.
+fn connect_wait() -> Result<Duration, CliError> {
+    Ok(super::env_duration("RUNWARDEN_CONNECT_WAIT", "60s, 5m")?.unwrap_or(WORKER_CONNECT_WAIT))
 }
 
 /// Failures a restart or a busy moment of the supervisor explains, after which nothing of the
