@@ -425,6 +425,29 @@ fn link_refuses_a_cycle_and_names_it() {
     // Linking the same pair twice is a no-op.
     tb.board.write(|tx| tx.link(a, b, T)).unwrap();
     assert_eq!(events_of(&mut tb.board, b, "linked").len(), 1);
+
+    // A finished task never runs again: it cannot be made to wait.
+    let done = ready(&mut tb, "done");
+    let run = claim(&mut tb, done, T);
+    tb.board
+        .write(|tx| tx.complete_task(done, Some(run.run_id), None, T + 1))
+        .unwrap();
+    let archived = ready(&mut tb, "archived");
+    tb.board.write(|tx| tx.archive_task(archived, T)).unwrap();
+    for (child, what) in [(done, "done"), (archived, "archived")] {
+        match tb.board.write(|tx| tx.link(c, child, T)).unwrap_err() {
+            BoardError::Invalid(msg) => {
+                assert!(msg.contains(&format!("task {child} is {what}")), "{msg}")
+            }
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+        assert!(events_of(&mut tb.board, child, "linked").is_empty());
+    }
+    // A comment needs an author as much as a body.
+    assert!(matches!(
+        tb.board.write(|tx| tx.comment(c, " ", "looks good", T)),
+        Err(BoardError::Invalid(msg)) if msg.contains("author")
+    ));
 }
 
 #[test]

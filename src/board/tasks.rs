@@ -7,7 +7,7 @@ use super::types::{ClosedRun, Created, Millis, NewTask, RunOutcome, TaskId, Task
 use super::{BoardError, Result, Tx, changed_one};
 
 /// The longest max runtime a task may ask for: 100 years, as for durations in the config.
-const MAX_RUNTIME_MS: i64 = 100 * 31_557_600 * 1000;
+pub const MAX_RUNTIME_MS: i64 = 100 * 31_557_600 * 1000;
 /// The longest idempotency key and assignee name, in bytes. Both are names, and both ride on
 /// every reply that carries the task: unbounded, a client could make every such reply (and a
 /// task list, which bounds the texts it returns) as large as a request.
@@ -123,6 +123,13 @@ impl Tx<'_> {
         }
         let parent_status = self.task_status(parent)?;
         let child_status = self.task_status(child)?;
+        if matches!(child_status, TaskStatus::Done | TaskStatus::Archived) {
+            // It will never run again: a link would say it waits when it never will.
+            return Err(BoardError::Invalid(format!(
+                "task {child} is {}: only an unfinished task can wait for another",
+                child_status.as_str()
+            )));
+        }
         if let Some(path) = self.dependency_path(child, parent)? {
             // path runs child → … → parent through existing links; the new link closes it.
             let cycle: Vec<String> = std::iter::once(parent)
@@ -201,6 +208,11 @@ impl Tx<'_> {
         self.task_status(task_id)?;
         if body.trim().is_empty() {
             return Err(BoardError::Invalid("comment must not be empty".into()));
+        }
+        if author.trim().is_empty() {
+            return Err(BoardError::Invalid(
+                "a comment's author must not be empty".into(),
+            ));
         }
         self.conn
             .prepare_cached(

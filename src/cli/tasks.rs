@@ -29,7 +29,7 @@ pub struct AddArgs {
     #[arg(long = "parent", value_name = "ID", value_parser = super::task_id, allow_negative_numbers = true)]
     pub parents: Vec<TaskId>,
     /// Longest a run may take, e.g. "30m"; "0s" for no limit (default: the assignee's).
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, value_parser = max_runtime)]
     pub max_runtime: Option<Duration>,
     /// Failed runs retried before the task blocks (default: the assignee's).
     #[arg(long)]
@@ -53,6 +53,16 @@ pub struct LsArgs {
     pub limit: Option<u32>,
 }
 
+/// `--max-runtime`: a duration the board takes (at most 100 years), said in the option's
+/// terms rather than the protocol field's.
+fn max_runtime(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d.as_millis() > board::MAX_RUNTIME_MS as u128 {
+        return Err("at most 100 years (0s: no limit)".into());
+    }
+    Ok(d)
+}
+
 /// Adds a task and prints its id (`--json`: `{"id":…,"existed":…}`).
 pub fn add(cli: &Cli, out: Out, args: &AddArgs) -> Result<(), CliError> {
     let new = NewTask {
@@ -61,8 +71,7 @@ pub fn add(cli: &Cli, out: Out, args: &AddArgs) -> Result<(), CliError> {
         assignee: args.assignee.clone(),
         priority: args.priority,
         parents: args.parents.clone(),
-        // Saturating: a duration beyond i64 milliseconds is refused by the supervisor as too
-        // long, instead of wrapping into a negative number.
+        // In range (checked when parsed), so it cannot wrap into a negative number.
         max_runtime_ms: args
             .max_runtime
             .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
