@@ -32,6 +32,9 @@ pub const EXIT_FAILURE: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 /// Exit code of `wait` when its timeout passes first.
 pub const EXIT_TIMEOUT: u8 = 124;
+/// Exit code of `wait` and `events --follow` when the supervisor went away and could not be
+/// reached again within `RUNWARDEN_CONNECT_WAIT`.
+pub const EXIT_LOST: u8 = 3;
 
 /// The environment variable a worker finds its supervisor's socket in.
 pub const SOCKET_ENV: &str = "RUNWARDEN_SOCKET";
@@ -147,7 +150,8 @@ pub enum Command {
     /// Show the supervisor's state: pid, uptime, live workers, tasks per status.
     Status,
     /// Wait for tasks: exit 0 once all are done, 1 as soon as one ends blocked or archived,
-    /// 124 on timeout.
+    /// 124 on timeout, 3 if the supervisor went away and did not come back (a restart is
+    /// ridden out).
     Wait(watch::WaitArgs),
     /// Run the terminal-worker reaper's sweep now.
     Reap,
@@ -285,13 +289,47 @@ pub fn socket_path(cli: &Cli) -> Result<PathBuf, CliError> {
 /// Connects to the supervisor and says hello; each answer is waited for at most
 /// [`reply_timeout`].
 pub fn connect(cli: &Cli) -> Result<Client, CliError> {
-    let path = socket_path(cli)?;
-    let timeout = reply_timeout()?;
-    let mut client = Client::connect(&path)?;
+    Ok(try_connect(&socket_path(cli)?, reply_timeout()?)?)
+}
+
+/// Connects to the socket at `path` and says hello, each answer waited for at most `timeout`.
+pub(crate) fn try_connect(
+    path: &std::path::Path,
+    timeout: Option<Duration>,
+) -> Result<Client, ClientError> {
+    let mut client = Client::connect(path)?;
     client.set_read_timeout(timeout)?;
     client.set_write_timeout(timeout)?;
     client.hello()?;
     Ok(client)
+}
+
+/// How long a worker's report, `wait` and `events --follow` try to reach a supervisor that
+/// went away (a restart): 60 s, or `$RUNWARDEN_CONNECT_WAIT`. A value that does not parse is a
+/// usage error, as for `RUNWARDEN_TIMEOUT`: a typo must not silently leave the default.
+pub(crate) fn connect_wait() -> Result<Duration, CliError> {
+    Ok(env_duration("RUNWARDEN_CONNECT_WAIT", "60s, 5m")?.unwrap_or(CONNECT_WAIT))
+}
+
+/// [`connect_wait`]'s default.
+const CONNECT_WAIT: Duration = Duration::from_secs(60);
+
+/// Failures a restart or a busy moment of the supervisor explains, after which nothing of a
+/// request was applied (a request the server read is answered before it closes): worth
+/// connecting again.
+pub(crate) fn is_passing(e: &ClientError) -> bool {
+    match e {
+        ClientError::NotRunning { .. } | ClientError::Closed => true,
+        ClientError::Io(io) => matches!(
+            io.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ),
+        ClientError::Server { code, .. } => {
+            code == crate::control::protocol::code::UNAVAILABLE
+                || code == crate::control::protocol::code::TOO_MANY_CONNECTIONS
+        }
+        _ => false,
+    }
 }
 
 /// Runs the parsed command line.

@@ -10,10 +10,10 @@ use clap::Args;
 
 use super::output::{Out, clock, line};
 use super::tasks::event_detail;
-use super::{Cli, CliError, EXIT_FAILURE, EXIT_TIMEOUT, connect, load_config};
+use super::{Cli, CliError, EXIT_FAILURE, EXIT_LOST, EXIT_TIMEOUT, connect, load_config};
 use crate::actors::spawn;
 use crate::board::{Event, EventId, TaskId, TaskStatus};
-use crate::control::client::ClientError;
+use crate::control::client::{Client, ClientError};
 use crate::control::protocol::code;
 
 /// How often `logs --follow` looks for new output.
@@ -68,17 +68,74 @@ pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
         }
         return Ok(());
     }
-    // Followed for as long as asked: quiet stretches are no failure.
-    client.set_read_timeout(None)?;
-    for ev in client.follow_events(args.since, args.id)? {
-        let ev = ev?;
-        if out.json {
-            out.json_line(&ev)?;
-        } else {
-            print_event(&out, &ev)?;
+    // Followed for as long as asked: quiet stretches are no failure. A supervisor that goes
+    // away (a restart) is reached again, and the stream goes on after the last event printed:
+    // event ids are the board's, so none is missed or printed twice.
+    let mut since = args.since;
+    loop {
+        client.set_read_timeout(None)?;
+        let lost = {
+            let mut stream = client.follow_events(since, args.id)?;
+            loop {
+                match stream.next() {
+                    Some(Ok(ev)) => {
+                        since = ev.id;
+                        if out.json {
+                            out.json_line(&ev)?;
+                        } else {
+                            print_event(&out, &ev)?;
+                        }
+                    }
+                    Some(Err(e)) if super::is_passing(&e) => break e,
+                    Some(Err(e)) => return Err(e.into()),
+                    None => break ClientError::Closed,
+                }
+            }
+        };
+        client = reconnect(cli, &lost, None)?.expect("no deadline to pass");
+    }
+}
+
+/// Reaches the supervisor again after losing it (`lost`: a restart, say), for up to
+/// `RUNWARDEN_CONNECT_WAIT` (60 s) and not past `deadline`: `None` when the deadline passed
+/// first. One line on stderr says what happened; an error with [`EXIT_LOST`] when it could not
+/// be reached.
+fn reconnect(
+    cli: &Cli,
+    lost: &ClientError,
+    deadline: Option<Instant>,
+) -> Result<Option<Client>, CliError> {
+    let path = super::socket_path(cli)?;
+    let timeout = super::reply_timeout()?;
+    let wait = super::connect_wait()?;
+    eprintln!(
+        "runwarden: lost the supervisor ({lost}); reconnecting for up to {}",
+        humantime::format_duration(wait)
+    );
+    let give_up = crate::deadline_after(wait);
+    let mut delay = Duration::from_millis(50);
+    loop {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+        match super::try_connect(&path, timeout) {
+            Ok(client) => return Ok(Some(client)),
+            Err(e) if super::is_passing(&e) && Instant::now() < give_up => {
+                let until = deadline.map_or(give_up, |d| d.min(give_up));
+                std::thread::sleep(delay.min(until.saturating_duration_since(Instant::now())));
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => {
+                return Err(CliError {
+                    message: format!(
+                        "lost the supervisor and could not reach it again within {}: {e}",
+                        humantime::format_duration(wait)
+                    ),
+                    code: EXIT_LOST,
+                });
+            }
         }
     }
-    Err(ClientError::Closed.into())
 }
 
 fn print_event(out: &Out, ev: &Event) -> Result<(), CliError> {
@@ -362,58 +419,106 @@ fn status_after(kind: &str) -> Option<TaskStatus> {
 }
 
 /// Waits until every task is done (exit 0), one ends blocked or archived (exit 1), or the
-/// timeout passes (exit 124). Follows the event stream; no polling.
+/// timeout passes (exit 124). Follows the event stream; no polling. Rides out a supervisor
+/// restart (exit 3 if it does not come back within `RUNWARDEN_CONNECT_WAIT`).
 pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
     let deadline = args.timeout.map(crate::deadline_after);
     let mut client = connect(cli)?;
-    // The watermark first, then the statuses: whatever settles after the watermark is in the
-    // stream that follows from it, so nothing between the two reads is missed.
-    let since = client.status()?.last_event_id;
-    let mut state: BTreeMap<TaskId, TaskStatus> = BTreeMap::new();
-    for &id in &args.ids {
-        state.insert(id, client.show_task(id, Some(0))?.task.status);
-    }
     let progress = std::io::stderr().is_terminal() && !out.json;
+    let mut state: BTreeMap<TaskId, TaskStatus> = BTreeMap::new();
     let mut timed_out = false;
-    if !state.values().all(|s| settled(*s)) && !any_failed(&state) {
-        let mut stream = client.follow_events(since, None)?;
-        loop {
-            show_progress(progress, &state);
-            let remaining = match deadline {
-                Some(d) => match d.checked_duration_since(Instant::now()) {
-                    Some(r) if !r.is_zero() => Some(r),
-                    _ => {
-                        timed_out = true;
-                        break;
-                    }
-                },
-                None => None,
-            };
-            stream.set_timeout(remaining)?;
-            match stream.next() {
-                Some(Ok(ev)) => {
-                    if let (Some(task), Some(status)) = (ev.task_id, status_after(&ev.kind))
-                        && let Some(s) = state.get_mut(&task)
-                    {
-                        *s = status;
-                    }
-                    if state.values().all(|s| settled(*s)) || any_failed(&state) {
-                        break;
-                    }
-                }
-                Some(Err(ClientError::Timeout)) => {
+    loop {
+        match wait_on(&mut client, args, deadline, progress, &mut state)? {
+            Waited::Settled => break,
+            Waited::TimedOut => {
+                timed_out = true;
+                break;
+            }
+            Waited::Lost(lost) => match reconnect(cli, &lost, deadline)? {
+                Some(again) => client = again,
+                None => {
                     timed_out = true;
                     break;
                 }
-                Some(Err(e)) => return Err(e.into()),
-                None => return Err(ClientError::Closed.into()),
-            }
-        }
-        if progress {
-            eprint!("\r\x1b[2K");
+            },
         }
     }
+    if progress {
+        eprint!("\r\x1b[2K");
+    }
     report_wait(&out, &state, timed_out)
+}
+
+/// How one connection's wait ended.
+enum Waited {
+    /// Every task done, or one blocked or archived.
+    Settled,
+    TimedOut,
+    /// The connection was lost (the supervisor went away).
+    Lost(ClientError),
+}
+
+/// [`wait`] over one connection: the tasks' statuses, then the events that change them.
+fn wait_on(
+    client: &mut Client,
+    args: &WaitArgs,
+    deadline: Option<Instant>,
+    progress: bool,
+    state: &mut BTreeMap<TaskId, TaskStatus>,
+) -> Result<Waited, CliError> {
+    let lost = |e: ClientError| -> Result<Waited, CliError> {
+        if super::is_passing(&e) {
+            Ok(Waited::Lost(e))
+        } else {
+            Err(e.into())
+        }
+    };
+    // The watermark first, then the statuses: whatever settles after the watermark is in the
+    // stream that follows from it, so nothing between the two reads is missed. (Read afresh
+    // on every connection: what changed while the supervisor was away is in the statuses.)
+    let since = match client.status() {
+        Ok(status) => status.last_event_id,
+        Err(e) => return lost(e),
+    };
+    for &id in &args.ids {
+        match client.show_task(id, Some(0)) {
+            Ok(detail) => state.insert(id, detail.task.status),
+            Err(e) => return lost(e),
+        };
+    }
+    if state.values().all(|s| settled(*s)) || any_failed(state) {
+        return Ok(Waited::Settled);
+    }
+    let mut stream = match client.follow_events(since, None) {
+        Ok(stream) => stream,
+        Err(e) => return lost(e),
+    };
+    loop {
+        show_progress(progress, state);
+        let remaining = match deadline {
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(r) if !r.is_zero() => Some(r),
+                _ => return Ok(Waited::TimedOut),
+            },
+            None => None,
+        };
+        stream.set_timeout(remaining)?;
+        match stream.next() {
+            Some(Ok(ev)) => {
+                if let (Some(task), Some(status)) = (ev.task_id, status_after(&ev.kind))
+                    && let Some(s) = state.get_mut(&task)
+                {
+                    *s = status;
+                }
+                if state.values().all(|s| settled(*s)) || any_failed(state) {
+                    return Ok(Waited::Settled);
+                }
+            }
+            Some(Err(ClientError::Timeout)) => return Ok(Waited::TimedOut),
+            Some(Err(e)) => return lost(e),
+            None => return lost(ClientError::Closed),
+        }
+    }
 }
 
 fn any_failed(state: &BTreeMap<TaskId, TaskStatus>) -> bool {

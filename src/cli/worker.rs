@@ -172,13 +172,10 @@ pub fn heartbeat(cli: &Cli, out: Out, args: &HeartbeatArgs) -> Result<(), CliErr
     ))
 }
 
-/// How long a worker's report waits for a supervisor that is not listening (restarting).
-const WORKER_CONNECT_WAIT: Duration = Duration::from_secs(60);
-
 /// Sends one request. A worker reporting on its own run rides out a supervisor restart — the
 /// socket gone or refusing, the connection closed before any reply (accepted while the server
 /// was stopping), the server stopping or out of connection slots — by retrying the whole
-/// exchange for up to [`WORKER_CONNECT_WAIT`] (`RUNWARDEN_CONNECT_WAIT` overrides), so its
+/// exchange for up to [`super::connect_wait`] (60 s; `RUNWARDEN_CONNECT_WAIT`), so its
 /// report is not lost. A report is never applied twice: a retry of one that did land finds its
 /// run closed (`stale_run`), which is said so. An operator's command fails at once.
 fn request<T>(
@@ -195,18 +192,13 @@ fn request<T>(
     // accepted the connection but does not answer (stopped, wedged) must not hold the worker
     // for ever. A reply that times out may still be applied, so it is not retried (exit 124).
     let timeout = super::reply_timeout()?;
-    let wait = connect_wait()?;
+    let wait = super::connect_wait()?;
     let deadline = crate::deadline_after(wait);
     let mut delay = Duration::from_millis(50);
     let mut told = false;
     let mut retried = false;
     loop {
-        let attempt = Client::connect(&path).and_then(|mut client| {
-            client.set_read_timeout(timeout)?;
-            client.set_write_timeout(timeout)?;
-            client.hello()?;
-            send(&mut client)
-        });
+        let attempt = super::try_connect(&path, timeout).and_then(|mut client| send(&mut client));
         let e = match attempt {
             Ok(reply) => return Ok(reply),
             Err(e) if retried && e.code() == Some(protocol::code::STALE_RUN) => {
@@ -215,7 +207,7 @@ fn request<T>(
                      supervisor went away"
                 )));
             }
-            Err(e) if passing(&e) && Instant::now() < deadline => e,
+            Err(e) if super::is_passing(&e) && Instant::now() < deadline => e,
             Err(e) => return Err(e.into()),
         };
         if !told {
@@ -228,28 +220,6 @@ fn request<T>(
         retried = true;
         std::thread::sleep(delay.min(deadline.saturating_duration_since(Instant::now())));
         delay = (delay * 2).min(Duration::from_secs(2));
-    }
-}
-
-/// [`WORKER_CONNECT_WAIT`], or `$RUNWARDEN_CONNECT_WAIT`. A value that does not parse is a
-/// usage error, as for `RUNWARDEN_TIMEOUT`: a typo must not silently leave the default.
-fn connect_wait() -> Result<Duration, CliError> {
-    Ok(super::env_duration("RUNWARDEN_CONNECT_WAIT", "60s, 5m")?.unwrap_or(WORKER_CONNECT_WAIT))
-}
-
-/// Failures a restart or a busy moment of the supervisor explains, after which nothing of the
-/// request was applied (a request the server read is answered before it closes).
-fn passing(e: &ClientError) -> bool {
-    match e {
-        ClientError::NotRunning { .. } | ClientError::Closed => true,
-        ClientError::Io(io) => matches!(
-            io.kind(),
-            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-        ),
-        ClientError::Server { code, .. } => {
-            code == protocol::code::UNAVAILABLE || code == protocol::code::TOO_MANY_CONNECTIONS
-        }
-        _ => false,
     }
 }
 

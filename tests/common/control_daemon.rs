@@ -180,6 +180,13 @@ impl Daemon {
         status
     }
 
+    /// Stops the daemon and starts a new one on the same config and data (a restart).
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+        self.wait_ready();
+    }
+
     /// Stops the daemon gracefully over the socket, then (if that fails) by SIGKILL.
     pub fn stop(&mut self) {
         if self.child.is_none() {

@@ -1,0 +1,156 @@
+//! `wait` and `events --follow` ride out a supervisor restart: they reach the new supervisor
+//! and go on — `wait` from the tasks' statuses as they are then, `events --follow` after the
+//! last event it printed, none missed or printed twice. One that cannot reach a supervisor
+//! again within `RUNWARDEN_CONNECT_WAIT` exits 3, a code of its own (1 is `wait`'s "a task
+//! ended blocked or archived").
+
+#[allow(dead_code)]
+mod common;
+
+use std::fs;
+use std::process::Stdio;
+
+use common::control_daemon::{Daemon, command, ok, stream_of};
+use common::proc_guard::{ChildGuard, wait_until};
+use common::runtime::SETTLE;
+
+/// Whether process `pid` holds a connected Unix socket: a client that has reached the
+/// supervisor (its `/proc/<pid>/fd` links matched against `/proc/net/unix`, state 03).
+fn has_connected_socket(pid: i32) -> bool {
+    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    let inodes: Vec<String> = fds
+        .flatten()
+        .filter_map(|fd| fs::read_link(fd.path()).ok())
+        .filter_map(|link| {
+            let link = link.to_string_lossy().into_owned();
+            Some(
+                link.strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_string(),
+            )
+        })
+        .collect();
+    let table = fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    table.lines().skip(1).any(|row| {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        cols.len() > 6 && cols[5] == "03" && inodes.iter().any(|i| i == cols[6])
+    })
+}
+
+/// `runwarden ARGS` against the daemon's socket, stderr into `stderr`, stdout discarded.
+fn spawn_cli(d: &Daemon, args: &[&str], stderr: &std::path::Path, wait: &str) -> ChildGuard {
+    let mut cmd = command();
+    cmd.env("RUNWARDEN_CONNECT_WAIT", wait)
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(args)
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(stderr).unwrap());
+    ChildGuard::spawn(&mut cmd).expect("spawn runwarden")
+}
+
+fn exit_code(child: &mut ChildGuard) -> Option<i32> {
+    let mut code = None;
+    wait_until(SETTLE, || {
+        code = child
+            .try_wait()
+            .ok()
+            .flatten()
+            .map(|s| s.code().unwrap_or(-1));
+        code.is_some()
+    });
+    code
+}
+
+#[test]
+fn wait_and_follow_go_on_across_a_supervisor_restart() {
+    let mut d = Daemon::start("", "");
+    // No assignee: it stays ready until an operator completes it.
+    let task = ok(&d.cli(&["add", "waited for"])).trim().to_string();
+    let wait_err = d.dir.path().join("wait.stderr");
+    let mut waiting = spawn_cli(&d, &["wait", &task], &wait_err, "30s");
+    let mut follow = command();
+    follow
+        .env("RUNWARDEN_CONNECT_WAIT", "30s")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["events", "--follow", "--json"]);
+    let (_follower, lines) = stream_of(follow);
+    let mut seen: Vec<serde_json::Value> = Vec::new();
+    let saw = |title: &str, seen: &mut Vec<serde_json::Value>| {
+        wait_until(SETTLE, || {
+            while let Ok(line) = lines.try_recv() {
+                seen.push(serde_json::from_str(&line).expect("an event as JSON"));
+            }
+            seen.iter()
+                .any(|ev| ev["kind"] == "created" && ev["payload"]["title"] == title)
+        })
+    };
+    assert!(saw("waited for", &mut seen), "the follower never followed");
+    assert!(
+        wait_until(SETTLE, || has_connected_socket(waiting.pid())),
+        "wait never connected"
+    );
+
+    d.restart();
+
+    // Both are back on the new supervisor: the follower prints what happens now, and the wait
+    // ends on the completion.
+    ok(&d.cli(&["add", "after the restart"]));
+    assert!(
+        saw("after the restart", &mut seen),
+        "the follower did not go on after the restart: {seen:?}"
+    );
+    ok(&d.cli(&["complete", &task, "--force"]));
+    assert_eq!(
+        exit_code(&mut waiting),
+        Some(0),
+        "wait: {}",
+        fs::read_to_string(&wait_err).unwrap_or_default()
+    );
+    let said = fs::read_to_string(&wait_err).unwrap();
+    assert!(said.contains("lost the supervisor"), "{said}");
+    // Not one event twice, none out of order.
+    let ids: Vec<i64> = seen.iter().map(|ev| ev["id"].as_i64().unwrap()).collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_wait_whose_supervisor_does_not_come_back_exits_3() {
+    let mut d = Daemon::start("", "");
+    let task = ok(&d.cli(&["add", "never done"])).trim().to_string();
+    let wait_err = d.dir.path().join("wait.stderr");
+    let mut waiting = spawn_cli(&d, &["wait", &task], &wait_err, "1s");
+    assert!(
+        wait_until(SETTLE, || has_connected_socket(waiting.pid())),
+        "wait never connected"
+    );
+    d.stop();
+    assert_eq!(exit_code(&mut waiting), Some(3));
+    let said = fs::read_to_string(&wait_err).unwrap();
+    assert!(
+        said.contains("lost the supervisor") && said.contains("could not reach it again"),
+        "{said}"
+    );
+    // A timeout that passes while it is reconnecting is still a timeout (124).
+    let mut d = Daemon::start("", "");
+    let task = ok(&d.cli(&["add", "never done"])).trim().to_string();
+    let err = d.dir.path().join("wait2.stderr");
+    let mut timed = spawn_cli(&d, &["wait", &task, "--timeout", "1s"], &err, "30s");
+    assert!(
+        wait_until(SETTLE, || has_connected_socket(timed.pid())),
+        "wait never connected"
+    );
+    d.stop();
+    assert_eq!(
+        exit_code(&mut timed),
+        Some(124),
+        "{}",
+        fs::read_to_string(&err).unwrap_or_default()
+    );
+}
