@@ -92,6 +92,39 @@ fn following_the_file_starts_over_after_a_rotation_the_size_cannot_show() {
     rotate_under(&follower, &rx, &log);
 }
 
+#[test]
+fn following_the_file_prints_what_it_had_not_read_from_the_backup_after_a_rotation() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    fs::write(&config, "[supervisor]\ndata_dir = \"data\"\n").unwrap();
+    let logs = dir.path().join("data").join("logs");
+    fs::create_dir_all(&logs).unwrap();
+    let log = logs.join("8.log");
+    append(&log, "old-1\nold-2\n");
+    let cfg = config.to_str().unwrap();
+    let (follower, rx) = stream(&["logs", "8", "--follow", "--config", cfg]);
+    assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
+    // Written, then rotated away before the follower looked again: the backup holds the old
+    // log's last 20 bytes, which include both lines it had not read.
+    follower
+        .pidfd()
+        .signal(Signal::SIGSTOP)
+        .expect("stop the follower");
+    append(&log, "unread-1\nunread-2\n");
+    rotate_if_needed(&log, 20);
+    assert_eq!(fs::metadata(&log).unwrap().len(), 0, "the log was rotated");
+    append(&log, "fresh-1\n");
+    follower
+        .pidfd()
+        .signal(Signal::SIGCONT)
+        .expect("continue the follower");
+    assert_eq!(
+        lines(&rx, 3),
+        ["unread-1", "unread-2", "fresh-1"],
+        "nothing that is still on disk is skipped, nothing printed twice"
+    );
+}
+
 /// `nobody`: an operator served by the socket (`allowed_uids`) who may not read the log files.
 const NOBODY: u32 = 65534;
 

@@ -741,7 +741,8 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     let mut rotate = || -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
         let (mut src, meta) = open_regular(path, OpenOptions::new().read(true))?;
-        src.seek(SeekFrom::Start(meta.len().saturating_sub(max_bytes)))?;
+        let start = meta.len().saturating_sub(max_bytes);
+        src.seek(SeekFrom::Start(start))?;
         // A fresh file: whatever is in its place (one left by a rotation cut short, or a FIFO
         // that an open for writing would wait on for ever) goes first.
         match fs::remove_file(&fresh) {
@@ -755,6 +756,7 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&fresh)?;
         std::io::copy(&mut src.take(max_bytes), &mut dst)?;
+        set_backup_start(&dst, start);
         open_regular(path, OpenOptions::new().write(true))?
             .0
             .set_len(0)?;
@@ -771,6 +773,46 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
             tracing::warn!(path = %path.display(), error = %e, "log rotation failed");
         }
     }
+}
+
+/// The extended attribute on a backup that says where in the rotated log its first byte was.
+const BACKUP_START_XATTR: &std::ffi::CStr = c"user.runwarden.start";
+
+/// Records on a new backup where in the log it starts, so that a follower of the log can
+/// print what it had not read yet from the backup instead of losing it ([`backup_start`]).
+/// Best effort: a file system without user extended attributes just does not tell.
+fn set_backup_start(backup: &fs::File, start: u64) {
+    use std::os::fd::AsRawFd;
+    let value = start.to_string();
+    // SAFETY: a valid descriptor, a NUL-terminated name, and a buffer of the given length.
+    unsafe {
+        libc::fsetxattr(
+            backup.as_raw_fd(),
+            BACKUP_START_XATTR.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+}
+
+/// Where in the rotated log the backup of the log at `path` starts, if its rotation said so.
+pub fn backup_start(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let backup = std::ffi::CString::new(backup_path(path).as_os_str().as_bytes()).ok()?;
+    let mut buf = [0u8; 24];
+    // SAFETY: NUL-terminated path and name, and a buffer of the given length. lgetxattr: a
+    // link in the backup's place is not followed.
+    let n = unsafe {
+        libc::lgetxattr(
+            backup.as_ptr(),
+            BACKUP_START_XATTR.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    let n = usize::try_from(n).ok()?;
+    std::str::from_utf8(&buf[..n]).ok()?.parse().ok()
 }
 
 /// `<log>.1`.

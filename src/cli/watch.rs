@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{IsTerminal, Read, Seek, SeekFrom, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -229,7 +229,7 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
                     std::thread::sleep(LOG_POLL);
                     continue;
                 }
-                Verdict::StartOver => {
+                Verdict::StartOver | Verdict::Rotated => {
                     eprintln!(
                         "runwarden: the log of task {} was rotated; following from its start",
                         args.id
@@ -261,8 +261,12 @@ enum Verdict {
     /// The log is shorter than the offset while a rotation is under way (it truncates the log
     /// first, then puts the new backup in place): look again once it is done.
     Wait,
-    /// The log was rotated or truncated: the piece is not to be printed; read again from 0.
+    /// The log was truncated (by hand, or by a rotation cut short): the piece is not to be
+    /// printed; read again from 0.
     StartOver,
+    /// The log was rotated (a new backup): the piece is not to be printed; what was not read
+    /// before the rotation is at the end of the backup; then read again from 0.
+    Rotated,
 }
 
 /// A follower's knowledge of the log's rotations ([`spawn::log_generation`]).
@@ -293,7 +297,7 @@ impl Rotations {
         if generation.is_some() && generation != self.seen {
             // Also when the log has grown past the offset again since: the size cannot tell.
             self.seen = generation;
-            return Verdict::StartOver;
+            return Verdict::Rotated;
         }
         // A backup removed (by hand, or with its task) is no rotation.
         self.seen = generation;
@@ -342,7 +346,35 @@ fn copy_to_stdout(file: &mut File) -> Result<(), CliError> {
     stdout.flush().map_err(|_| CliError::quiet())
 }
 
-/// `tail -f`: prints the file, then polls for growth; starts over when it was rotated.
+/// After a rotation, prints what the follower had not read yet (from `pos` in the old log) out
+/// of the new backup, which holds the old log's end and says where it starts
+/// ([`spawn::backup_start`]); says so when that is not known, or when some of it was already
+/// rotated out of reach (the follower was more than a backup behind).
+fn catch_up_from_backup(path: &Path, pos: u64) -> Result<(), CliError> {
+    let backup = spawn::backup_path(path);
+    let (Some(start), Ok(mut file)) = (spawn::backup_start(path), File::open(&backup)) else {
+        eprintln!(
+            "runwarden: {} was rotated; following from its start (what was written just \
+             before the rotation is in {})",
+            path.display(),
+            backup.display()
+        );
+        return Ok(());
+    };
+    if pos < start {
+        eprintln!(
+            "runwarden: {} was rotated; {} bytes written before it were rotated out unread",
+            path.display(),
+            start - pos
+        );
+    }
+    file.seek(SeekFrom::Start(pos.saturating_sub(start)))
+        .map_err(|e| CliError::failure(format!("cannot read {}: {e}", backup.display())))?;
+    copy_to_stdout(&mut file)
+}
+
+/// `tail -f`: prints the file, then polls for growth; after a rotation, what it had not read
+/// from the backup, then the new log from its start.
 fn follow_file(path: &PathBuf) -> Result<(), CliError> {
     /// Read (and held) at most this much at a time.
     const CHUNK: u64 = 1 << 20;
@@ -372,9 +404,14 @@ fn follow_file(path: &PathBuf) -> Result<(), CliError> {
                         }
                     }
                     Verdict::Print | Verdict::Wait => {}
+                    Verdict::Rotated => {
+                        catch_up_from_backup(path, pos)?;
+                        pos = 0;
+                        continue;
+                    }
                     Verdict::StartOver => {
                         eprintln!(
-                            "runwarden: {} was rotated; following from its start",
+                            "runwarden: {} was truncated; following from its start",
                             path.display()
                         );
                         pos = 0;
@@ -589,11 +626,11 @@ mod tests {
         let mut r = Rotations::new(None);
         assert_eq!(r.check(false, None, 0, 10), Verdict::Print);
         // Rotated and regrown past the offset: only the generation says so.
-        assert_eq!(r.check(false, rotation("a"), 10, 50), Verdict::StartOver);
+        assert_eq!(r.check(false, rotation("a"), 10, 50), Verdict::Rotated);
         assert_eq!(r.check(false, rotation("a"), 0, 50), Verdict::Print);
         // Caught between the truncation and the new backup: wait, then one start over.
         assert_eq!(r.check(true, rotation("a"), 50, 0), Verdict::Wait);
-        assert_eq!(r.check(false, rotation("b"), 50, 20), Verdict::StartOver);
+        assert_eq!(r.check(false, rotation("b"), 50, 20), Verdict::Rotated);
         assert_eq!(r.check(false, rotation("b"), 0, 20), Verdict::Print);
     }
 
@@ -604,7 +641,7 @@ mod tests {
         assert_eq!(r.check(false, rotation("a"), 0, 10), Verdict::Print);
         assert_eq!(r.check(false, None, 10, 30), Verdict::Print);
         // A new backup after that is a rotation again.
-        assert_eq!(r.check(false, rotation("a"), 30, 40), Verdict::StartOver);
+        assert_eq!(r.check(false, rotation("a"), 30, 40), Verdict::Rotated);
     }
 
     #[test]
