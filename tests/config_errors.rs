@@ -225,6 +225,13 @@ fn malformed_toml_is_one_line_with_its_position() {
 
     let message = refused("[supervisor\n");
     assert!(message.contains("line 1"), "{message}");
+
+    // A value TOML itself cannot hold names its key, as a wrong value does.
+    let message = refused("[supervisor]\nmax_in_progress = 99999999999999999999\n");
+    assert!(
+        message.contains("`max_in_progress`") && message.contains("line 2"),
+        "{message}"
+    );
 }
 
 #[test]

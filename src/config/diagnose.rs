@@ -69,12 +69,33 @@ impl Problem {
 pub(super) fn syntax_error(text: &str, error: &toml::de::Error) -> String {
     let message = one_line(error.message());
     match error.span() {
-        Some(span) => format!(
-            "TOML syntax error: {message} ({})",
-            line_column(text, span.start)
-        ),
+        Some(span) => {
+            let key = key_of_value_at(text, span.start)
+                .map(|k| format!(" in the value of `{k}`"))
+                .unwrap_or_default();
+            format!(
+                "TOML syntax error{key}: {message} ({})",
+                line_column(text, span.start)
+            )
+        }
         None => format!("TOML syntax error: {message}"),
     }
+}
+
+/// The key whose value holds byte `offset` of `text`, when that line reads `key = value` and
+/// the offset is in the value (a number too large, say): the error then names the key.
+fn key_of_value_at(text: &str, offset: usize) -> Option<&str> {
+    let offset = offset.min(text.len());
+    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let end = text[start..].find('\n').map_or(text.len(), |i| start + i);
+    let line = &text[start..end];
+    let eq = line.find('=')?;
+    let key = line[..eq].trim();
+    let bare = !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    (bare && offset > start + eq).then_some(key)
 }
 
 /// A schema error (unknown key, wrong type, bad value) from deserializing `table`, parsed from
