@@ -14,7 +14,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::actors::dispatcher::{DispatcherActor, LiveWorkers, StopDispatching};
-use crate::actors::hooks::{HookActor, HooksStop};
+use crate::actors::hooks::{HookActor, HooksStop, take_over_hook_token};
 use crate::actors::reaper::{ReaperActor, SweepNow};
 use crate::actors::spawn::Spawner;
 use crate::actors::store::{Flush, Store, StoreActor, StoreError};
@@ -219,8 +219,16 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         .map_err(|e| SupervisorError::Runtime(format!("cannot start the spawner threads: {e}")))?;
     // Hooks first: subscribed to the store's events before anything can commit one.
     let hooks = HooksStop::default();
+    // Whatever a killed previous incarnation's hooks left running is ended, hooks or not now.
+    let hook_token = take_over_hook_token(&config.supervisor.data_dir, config.reaper.kill_timeout);
     if !config.hooks.is_empty() {
-        HookActor::new(config.hooks.clone(), store.clone(), hooks.clone()).start();
+        HookActor::new(
+            config.hooks.clone(),
+            hook_token,
+            store.clone(),
+            hooks.clone(),
+        )
+        .start();
     }
     let (reconciled, first_reconcile) = tokio::sync::oneshot::channel();
     let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner)

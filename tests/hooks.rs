@@ -48,6 +48,18 @@ fn start(td: &TestDir, worker: &str, hooks: &str, titles: &[&str]) -> (Serve, Db
     (serve, db, tasks)
 }
 
+/// A directory for a hook to write into, and a script that `cd`s there and then runs `then`
+/// (which writes a pid file there).
+fn hook_dir(td: &TestDir, then: &str) -> (std::path::PathBuf, String) {
+    let out = td.path().join("hook-out");
+    fs::create_dir_all(&out).unwrap();
+    let script = format!(
+        "cd {out:?} || exit 1; {then}",
+        out = out.display().to_string()
+    );
+    (out, script)
+}
+
 /// A `[[hooks]]` table.
 fn hook(on: &[&str], script: &str, timeout: &str) -> String {
     format!(
@@ -328,12 +340,10 @@ fn a_hook_that_never_reads_a_big_payload_is_still_ended_by_its_timeout() {
 #[test]
 fn what_a_hook_leaves_running_is_ended_once_its_time_is_up() {
     let td = TestDir::new();
-    let out = td.path().join("hook-out");
-    fs::create_dir_all(&out).unwrap();
     // Exits at once, leaving a background child in its group.
-    let script = format!(
-        "cd {out:?} || exit 1; sleep 302 & echo $! > bg.tmp; mv bg.tmp bg.pid; exit 0",
-        out = out.display().to_string()
+    let (out, script) = hook_dir(
+        &td,
+        "sleep 302 & echo $! > bg.tmp; mv bg.tmp bg.pid; exit 0",
     );
     let (mut serve, _db, _tasks) = start(&td, "exit 0", &hook(&["claimed"], &script, "1s"), &["t"]);
     let bg = seen(wait_pid_file(&out.join("bg.pid"), SETTLE));
@@ -354,11 +364,9 @@ fn what_a_hook_leaves_running_is_ended_once_its_time_is_up() {
 #[test]
 fn a_stopping_supervisor_ends_its_running_hooks_whatever_their_timeout() {
     let td = TestDir::new();
-    let out = td.path().join("hook-out");
-    fs::create_dir_all(&out).unwrap();
-    let script = format!(
-        "cd {out:?} || exit 1; echo $$ > hook.tmp; mv hook.tmp hook.pid; exec sleep 303",
-        out = out.display().to_string()
+    let (out, script) = hook_dir(
+        &td,
+        "echo $$ > hook.tmp; mv hook.tmp hook.pid; exec sleep 303",
     );
     let (mut serve, _db, _tasks) = start(&td, "exit 0", &hook(&["claimed"], &script, "1h"), &["t"]);
     let running = seen(wait_pid_file(&out.join("hook.pid"), SETTLE));
@@ -376,6 +384,44 @@ fn a_stopping_supervisor_ends_its_running_hooks_whatever_their_timeout() {
         "{}",
         serve.stderr()
     );
+}
+
+/// A supervisor killed while a hook runs cannot end it, and nothing on the board records it:
+/// the next one ends it as it starts (it carries the killed one's hook token).
+#[test]
+fn what_a_killed_supervisors_hooks_left_running_is_ended_by_the_next_one() {
+    let td = TestDir::new();
+    let (out, script) = hook_dir(
+        &td,
+        "echo $$ > hook.tmp; mv hook.tmp hook.pid; exec sleep 304",
+    );
+    let (mut serve, _db, _tasks) = start(&td, "exit 0", &hook(&["claimed"], &script, "1h"), &["t"]);
+    let running = seen(wait_pid_file(&out.join("hook.pid"), SETTLE));
+    let _pin = running.pin();
+    stop_serve(&mut serve, Signal::SIGKILL, SETTLE).expect("serve killed");
+    assert!(
+        running.alive(),
+        "the hook went with its supervisor: nothing to test"
+    );
+
+    let config = td.path().join("config.toml");
+    let mut next = Serve::start(&config, "serve2");
+    next.wait_ready(&td.lock_path(), &td.db_path());
+    assert!(
+        wait_until(SETTLE, || !running.alive()),
+        "the killed supervisor's hook still runs\n{}",
+        next.stderr()
+    );
+    // Said once the hook is gone (a moment after it is seen gone here).
+    assert!(
+        wait_until(SETTLE, || next.stderr().contains(
+            "ended what the previous supervisor's hooks left running"
+        )),
+        "{}",
+        next.stderr()
+    );
+    let status = stop_serve(&mut next, Signal::SIGTERM, SETTLE);
+    assert!(status.is_some_and(|s| s.success()), "{}", next.stderr());
 }
 
 /// Tasks already on the board are claimed as the supervisor starts, before its actors have

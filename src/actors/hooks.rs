@@ -8,10 +8,16 @@
 //! pool, at most `MAX_RUNNING` at once (further events wait in this actor's queue). Hooks run
 //! at most once per event: when the supervisor stops, running hooks are ended (within
 //! `HOOK_KILL_TIMEOUT`, whatever their timeout) and queued ones are dropped, counted in the log.
+//!
+//! A supervisor that is killed cannot end its hooks, and nothing on the board records them. So
+//! each incarnation marks its hooks' processes with a token of its own
+//! (`RUNWARDEN_HOOK_TOKEN`, kept in `<data_dir>/hooks.token`), and the next one, as it starts,
+//! ends whatever still carries the previous token ([`take_over_hook_token`]).
 
 use std::collections::VecDeque;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,6 +50,8 @@ struct HookDone;
 /// The actor.
 pub struct HookActor {
     hooks: Vec<HookConfig>,
+    /// This incarnation's hook token, in every hook's environment.
+    token: Arc<str>,
     /// Subscribed when the actor is made, forwarded once it runs (see `new`).
     feed: Option<EventFeed>,
     queue: VecDeque<(HookConfig, Arc<Event>)>,
@@ -70,9 +78,10 @@ impl HookActor {
     /// A hook runner for `hooks` fed by `store`'s events; `stopping` ends it. It subscribes
     /// here, not when it first runs: the dispatcher may claim (and the store commit) before
     /// this actor is first polled, and a hook on `claimed` would miss that claim.
-    pub fn new(hooks: Vec<HookConfig>, store: Store, stopping: HooksStop) -> Self {
+    pub fn new(hooks: Vec<HookConfig>, token: Arc<str>, store: Store, stopping: HooksStop) -> Self {
         HookActor {
             hooks,
+            token,
             feed: Some(store.subscribe()),
             queue: VecDeque::new(),
             running: 0,
@@ -98,8 +107,9 @@ impl HookActor {
             self.running += 1;
             let me = ctx.address();
             let stopping = self.stopping.clone();
+            let token = self.token.clone();
             actix_rt::task::spawn_blocking(move || {
-                if let Err(e) = run_hook(&hook, &ev, &stopping) {
+                if let Err(e) = run_hook(&hook, &ev, &token, &stopping) {
                     tracing::warn!(command = ?hook.command, event = %ev.kind, error = %e, "hook failed");
                 }
                 me.do_send(HookDone);
@@ -174,7 +184,12 @@ fn fires_on(hook: &HookConfig, ev: &Event) -> bool {
 
 /// Runs one hook to completion (or kills it at its timeout, or when the supervisor stops).
 /// Blocking.
-fn run_hook(hook: &HookConfig, ev: &Event, stopping: &HooksStop) -> Result<(), String> {
+fn run_hook(
+    hook: &HookConfig,
+    ev: &Event,
+    token: &str,
+    stopping: &HooksStop,
+) -> Result<(), String> {
     let (program, args) = hook.command.split_first().ok_or("empty hook command")?;
     let mut cmd = Command::new(program);
     cmd.args(args)
@@ -182,6 +197,7 @@ fn run_hook(hook: &HookConfig, ev: &Event, stopping: &HooksStop) -> Result<(), S
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .process_group(0)
+        .env(process::descendants::HOOK_TOKEN_VAR, token)
         .env("RUNWARDEN_EVENT_ID", ev.id.to_string())
         .env("RUNWARDEN_EVENT_KIND", &ev.kind)
         .env("RUNWARDEN_EVENT_AT", ev.at.to_string())
@@ -263,6 +279,56 @@ fn run_hook(hook: &HookConfig, ev: &Event, stopping: &HooksStop) -> Result<(), S
         s if s.success() => Ok(()),
         s => Err(format!("exited with {s}")),
     }
+}
+
+/// The hook token file of a data dir.
+fn token_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("hooks.token")
+}
+
+/// Takes over from the previous incarnation on `data_dir`: ends, on a thread of its own, what
+/// its hooks left running (the processes carrying its hook token; a supervisor that stopped
+/// normally left none), and records and returns a new token for this incarnation's hooks.
+/// Called with the data dir's lock held. A token that cannot be recorded is logged: hooks
+/// still run, but a crash of this incarnation would leave what they run behind.
+pub fn take_over_hook_token(data_dir: &Path, kill_timeout: Duration) -> Arc<str> {
+    let path = token_path(data_dir);
+    if let Ok(old) = std::fs::read_to_string(&path) {
+        let old = old.trim().to_string();
+        let ended = std::thread::Builder::new()
+            .name("runwarden-hooks-left".into())
+            .spawn(
+                move || match process::descendants::end_hook_carriers(&old, kill_timeout) {
+                    Ok(0) => {}
+                    Ok(n) => tracing::warn!(
+                        processes = n,
+                        "ended what the previous supervisor's hooks left running"
+                    ),
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        "cannot end what the previous supervisor's hooks left running"
+                    ),
+                },
+            );
+        if let Err(e) = ended {
+            tracing::warn!(error = %e, "cannot look for the previous supervisor's hooks");
+        }
+    }
+    let token: Arc<str> = format!("{:032x}", rand::random::<u128>()).into();
+    let written = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)
+            .and_then(|mut f| f.write_all(token.as_bytes()))
+    };
+    if let Err(e) = written {
+        tracing::warn!(path = %path.display(), error = %e, "cannot record the hook token; a crash would leave running hooks behind");
+    }
+    token
 }
 
 /// Waits for the hook's leader to exit until `deadline`; false if it did not (or the supervisor

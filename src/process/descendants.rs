@@ -16,6 +16,14 @@ fn needle(token: &str) -> Vec<u8> {
     format!("RUNWARDEN_RUN_TOKEN={token}").into_bytes()
 }
 
+/// The variable that marks a hook's processes with its supervisor incarnation's hook token
+/// (see [`end_hook_carriers`]).
+pub const HOOK_TOKEN_VAR: &str = "RUNWARDEN_HOOK_TOKEN";
+
+fn hook_needle(token: &str) -> Vec<u8> {
+    format!("{HOOK_TOKEN_VAR}={token}").into_bytes()
+}
+
 /// Processes (other than ourselves) whose environment holds `RUNWARDEN_RUN_TOKEN=<token>`,
 /// with their fingerprints, so the caller can signal them only through a verified pidfd.
 /// Processes that vanish mid-scan are skipped. An `Err` when the scan cannot be complete:
@@ -33,7 +41,11 @@ pub fn find_by_token(token: &str) -> Result<Vec<(Pid, Fingerprint)>, ProcessErro
     if token.is_empty() {
         return Ok(Vec::new());
     }
-    let needle = needle(token);
+    find_by_needle(&needle(token))
+}
+
+/// [`find_by_token`] for any `VAR=value` entry of the environment.
+fn find_by_needle(needle: &[u8]) -> Result<Vec<(Pid, Fingerprint)>, ProcessError> {
     let me = std::process::id() as Pid;
     let dir = fs::read_dir("/proc").map_err(|source| ProcessError::System {
         what: "list /proc",
@@ -61,7 +73,7 @@ pub fn find_by_token(token: &str) -> Result<Vec<(Pid, Fingerprint)>, ProcessErro
             Err(ProcessError::NoSuchProcess { .. }) => continue,
             Err(e) => return Err(e),
         };
-        match carries_now(pid, &needle) {
+        match carries_now(pid, needle) {
             Env::Carries => found.push((pid, fp)),
             Env::Not => {}
             Env::MidExec => again.push((pid, fp)),
@@ -72,7 +84,7 @@ pub fn find_by_token(token: &str) -> Result<Vec<(Pid, Fingerprint)>, ProcessErro
     if !again.is_empty() {
         std::thread::sleep(MID_EXEC);
         for (pid, fp) in again {
-            match carries_now(pid, &needle) {
+            match carries_now(pid, needle) {
                 Env::Carries => found.push((pid, fp)),
                 Env::Not | Env::MidExec => {}
                 Env::Unreadable => return Err(unreadable_environ(pid)),
@@ -472,7 +484,14 @@ pub fn end_stray_orphans(
 /// Opens verified pidfds for every process carrying `token` (see [`find_by_token`], whose
 /// error it passes on: the scan could not be complete).
 pub fn pidfds_by_token(token: &str) -> Result<Vec<super::PidFd>, ProcessError> {
-    Ok(find_by_token(token)?
+    if token.is_empty() {
+        return Ok(Vec::new());
+    }
+    pidfds_by_needle(&needle(token))
+}
+
+fn pidfds_by_needle(needle: &[u8]) -> Result<Vec<super::PidFd>, ProcessError> {
+    Ok(find_by_needle(needle)?
         .into_iter()
         .filter_map(|(pid, fp)| match super::open_verified(pid, &fp) {
             Ok(super::Verified::Ours(fd)) => Some(fd),
@@ -494,14 +513,26 @@ pub fn end_token_carriers(
     kill_timeout: Duration,
 ) -> Result<usize, super::ProcessError> {
     let deadline = super::deadline_after(kill_timeout);
-    end_carriers(pidfds_by_token(token)?, token, deadline)
+    end_carriers(pidfds_by_token(token)?, &needle(token), deadline)
+}
+
+/// [`end_token_carriers`] for the processes of hooks started by a supervisor incarnation whose
+/// hook token was `token` (`RUNWARDEN_HOOK_TOKEN`): what its hooks left running when it was
+/// killed, which nothing else records. Blocking.
+pub fn end_hook_carriers(token: &str, kill_timeout: Duration) -> Result<usize, ProcessError> {
+    if token.is_empty() {
+        return Ok(0);
+    }
+    let needle = hook_needle(token);
+    let deadline = super::deadline_after(kill_timeout);
+    end_carriers(pidfds_by_needle(&needle)?, &needle, deadline)
 }
 
 /// [`end_token_carriers`] for carriers already found (SIGTERMed already or not: a second
 /// SIGTERM is harmless), waiting for them until `deadline`.
 fn end_carriers(
     carriers: Vec<super::PidFd>,
-    token: &str,
+    needle: &[u8],
     deadline: Instant,
 ) -> Result<usize, super::ProcessError> {
     for fd in &carriers {
@@ -517,7 +548,7 @@ fn end_carriers(
     }
     // A carrier may have forked after the first scan; its children carry the token too.
     // Verification only passes live processes, so everything found here is still running.
-    let late: Vec<super::PidFd> = pidfds_by_token(token)?;
+    let late: Vec<super::PidFd> = pidfds_by_needle(needle)?;
     for fd in &late {
         signal_straggler(fd, super::Signal::SIGKILL);
     }
@@ -563,7 +594,7 @@ pub fn terminate_tree(
     let ended = super::terminate_group(leader, kill_timeout);
     // Their SIGTERM went out with the group's: one deadline for both. A straggler still there
     // after SIGKILL fails the whole end, as a group member would.
-    end_carriers(stragglers, token, deadline)?;
+    end_carriers(stragglers, &needle(token), deadline)?;
     if let Some(e) = incomplete {
         return Err(e);
     }
