@@ -252,10 +252,7 @@ impl DispatcherActor {
         ctx: &mut Context<Self>,
     ) {
         let run_id = run.id;
-        // A WorkerActor of ours got the run since the probe's snapshot (a claim whose reply
-        // came after JUST_CLAIMED_MS, answered meanwhile): its worker is ours and may already
-        // run with the run's token — an "unstarted" verdict would end it by that token.
-        if self.closing.contains(&run_id) || self.workers.contains_key(&run_id) {
+        if self.closing.contains(&run_id) {
             return;
         }
         let lease_expired = run.lease_expires_at <= now;
