@@ -14,7 +14,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::actors::dispatcher::{DispatcherActor, LiveWorkers, StopDispatching};
-use crate::actors::hooks::{HookActor, HooksStop, take_over_hook_token};
+use crate::actors::hooks::{HookActor, HooksStop, release_hook_token, take_over_hook_token};
 use crate::actors::reaper::{ReaperActor, SweepNow};
 use crate::actors::spawn::Spawner;
 use crate::actors::store::{Flush, Store, StoreActor, StoreError};
@@ -75,6 +75,8 @@ struct Booted {
     services: Services,
     control: ControlServer,
     hooks: HooksStop,
+    /// This incarnation's hook token, released once it has stopped cleanly.
+    hook_token: Arc<str>,
     _lock: LockFile,
     /// Held until the supervisor has stopped (see [`process::Subreaper`]).
     subreaper: Option<process::Subreaper>,
@@ -224,7 +226,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     if !config.hooks.is_empty() {
         HookActor::new(
             config.hooks.clone(),
-            hook_token,
+            hook_token.clone(),
             store.clone(),
             hooks.clone(),
         )
@@ -253,6 +255,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         services,
         control,
         hooks,
+        hook_token,
         _lock: lock,
         subreaper,
     })
@@ -284,6 +287,7 @@ where
 {
     // The calling thread becomes the actor thread; it is put back as it was on return.
     let policy = crate::actors::schedule_this_thread(config.supervisor.scheduling, "actor");
+    let data_dir = config.supervisor.data_dir.clone();
     let system = if policy.is_some() {
         System::with_tokio_rt(|| {
             // actix's own runtime, but the blocking threads (hooks start there) would inherit
@@ -327,11 +331,15 @@ where
             });
             let _ = actix_rt::time::timeout(Duration::from_secs(1), reap).await;
         }
+        let token = booted.hook_token.clone();
         drop(booted);
-        Ok(())
+        Ok(token)
     });
     System::current().stop();
+    // The runtime's end waits for the hooks' threads: every hook of this incarnation has been
+    // ended now, and the next one has nothing to end by this token.
     let _ = system.run();
+    let result = result.map(|token| release_hook_token(&data_dir, &token));
     drop(policy);
     result
 }

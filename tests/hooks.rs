@@ -384,6 +384,12 @@ fn a_stopping_supervisor_ends_its_running_hooks_whatever_their_timeout() {
         "{}",
         serve.stderr()
     );
+    // Stopped cleanly, its hooks ended: nothing is left for the next one to end by its token
+    // (what a hook detached on purpose outlives it).
+    assert!(
+        !td.data_dir().join("hooks.token").exists(),
+        "a clean stop releases its hook token"
+    );
 }
 
 /// A supervisor killed while a hook runs cannot end it, and nothing on the board records it:
@@ -402,6 +408,10 @@ fn what_a_killed_supervisors_hooks_left_running_is_ended_by_the_next_one() {
     assert!(
         running.alive(),
         "the hook went with its supervisor: nothing to test"
+    );
+    assert!(
+        td.data_dir().join("hooks.token").exists(),
+        "a killed supervisor's hook token is still there"
     );
 
     let config = td.path().join("config.toml");

@@ -287,8 +287,9 @@ fn token_path(data_dir: &Path) -> PathBuf {
 }
 
 /// Takes over from the previous incarnation on `data_dir`: ends, on a thread of its own, what
-/// its hooks left running (the processes carrying its hook token; a supervisor that stopped
-/// normally left none), and records and returns a new token for this incarnation's hooks.
+/// its hooks left running (the processes carrying its hook token, which a supervisor that
+/// stopped cleanly has released: [`release_hook_token`]), and records and returns a new token
+/// for this incarnation's hooks.
 /// Called with the data dir's lock held. A token that cannot be recorded is logged: hooks
 /// still run, but a crash of this incarnation would leave what they run behind.
 pub fn take_over_hook_token(data_dir: &Path, kill_timeout: Duration) -> Arc<str> {
@@ -329,6 +330,19 @@ pub fn take_over_hook_token(data_dir: &Path, kill_timeout: Duration) -> Arc<str>
         tracing::warn!(path = %path.display(), error = %e, "cannot record the hook token; a crash would leave running hooks behind");
     }
     token
+}
+
+/// Forgets `token` once its incarnation has stopped cleanly and ended its hooks: what they
+/// left running on purpose outside their groups (a `setsid` notifier) is not the next
+/// supervisor's to end. Only while the file still holds this token (a successor may already
+/// have written its own).
+pub fn release_hook_token(data_dir: &Path, token: &str) {
+    let path = token_path(data_dir);
+    if std::fs::read_to_string(&path).is_ok_and(|t| t.trim() == token)
+        && let Err(e) = std::fs::remove_file(&path)
+    {
+        tracing::warn!(path = %path.display(), error = %e, "cannot remove the hook token");
+    }
 }
 
 /// Waits for the hook's leader to exit until `deadline`; false if it did not (or the supervisor

@@ -70,7 +70,7 @@ fn find_by_needle(needle: &[u8]) -> Result<Vec<(Pid, Fingerprint)>, ProcessError
         // Identity first, then the environment (see above).
         let fp = match fingerprint(pid) {
             Ok(fp) => fp,
-            Err(ProcessError::NoSuchProcess { .. }) => continue,
+            Err(e) if e.is_no_such_process() || e.is_refused() => continue,
             Err(e) => return Err(e),
         };
         match carries_now(pid, needle) {

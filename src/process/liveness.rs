@@ -135,8 +135,9 @@ pub(crate) fn all_stats() -> Option<impl Iterator<Item = ProcStat>> {
     Some(proc_pids()?.filter_map(|pid| read_stat(pid).ok()))
 }
 
-/// Every process's stat, skipping entries that vanish mid-scan; an `Err` when the scan cannot
-/// be complete (/proc cannot be listed, or a live process's stat cannot be read: out of file
+/// Every process's stat, skipping entries that vanish mid-scan or are refused for good
+/// ([`ProcessError::is_refused`]); an `Err` when the scan cannot be complete (/proc cannot be
+/// listed, or a live process's stat cannot be read for a passing reason: out of file
 /// descriptors, say). For answers where a missing entry would read as "no such process".
 pub(crate) fn all_stats_checked() -> Result<Vec<ProcStat>, ProcessError> {
     let dir = std::fs::read_dir("/proc").map_err(|source| ProcessError::System {
@@ -154,7 +155,7 @@ pub(crate) fn all_stats_checked() -> Result<Vec<ProcStat>, ProcessError> {
         };
         match read_stat(pid) {
             Ok(stat) => stats.push(stat),
-            Err(ProcessError::NoSuchProcess { .. }) => {}
+            Err(e) if e.is_no_such_process() || e.is_refused() => {}
             Err(e) => return Err(e),
         }
     }

@@ -118,6 +118,18 @@ impl ProcessError {
         matches!(self, ProcessError::NoSuchProcess { .. })
     }
 
+    /// True for a read of `pid`'s `/proc` files refused for good (EACCES, EPERM: `/proc`
+    /// mounted with `hidepid`, another namespace's process): not one this supervisor could
+    /// prove its own, or signal, ever. Scans pass over such processes as they do over ones
+    /// that vanished; any other failure leaves a scan incomplete.
+    pub(crate) fn is_refused(&self) -> bool {
+        matches!(
+            self,
+            ProcessError::Io { source, .. }
+                if matches!(source.raw_os_error(), Some(libc::EACCES | libc::EPERM))
+        )
+    }
+
     /// Wraps an OS error about `pid`, turning ESRCH into [`ProcessError::NoSuchProcess`].
     pub(crate) fn os(pid: Pid, what: &'static str, source: io::Error) -> Self {
         if source.raw_os_error() == Some(libc::ESRCH) {
