@@ -125,6 +125,37 @@ fn following_the_file_prints_what_it_had_not_read_from_the_backup_after_a_rotati
     );
 }
 
+#[test]
+fn a_follower_that_missed_two_rotations_prints_the_last_backup_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    fs::write(&config, "[supervisor]\ndata_dir = \"data\"\n").unwrap();
+    let logs = dir.path().join("data").join("logs");
+    fs::create_dir_all(&logs).unwrap();
+    let log = logs.join("9.log");
+    append(&log, "old-1\nold-2\n");
+    let cfg = config.to_str().unwrap();
+    let (follower, rx) = stream(&["logs", "9", "--follow", "--config", cfg]);
+    assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
+    follower
+        .pidfd()
+        .signal(Signal::SIGSTOP)
+        .expect("stop the follower");
+    // Two rotations while it is stopped: its offset (12) means nothing in the second backup,
+    // which starts at 0 of the log between the two.
+    append(&log, "lost-1\n");
+    rotate_if_needed(&log, 19);
+    append(&log, "kept-1\n");
+    rotate_if_needed(&log, 7);
+    assert_eq!(fs::read_to_string(backup_path(&log)).unwrap(), "kept-1\n");
+    append(&log, "fresh-1\n");
+    follower
+        .pidfd()
+        .signal(Signal::SIGCONT)
+        .expect("continue the follower");
+    assert_eq!(lines(&rx, 2), ["kept-1", "fresh-1"]);
+}
+
 /// `nobody`: an operator served by the socket (`allowed_uids`) who may not read the log files.
 const NOBODY: u32 = 65534;
 

@@ -756,7 +756,7 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&fresh)?;
         std::io::copy(&mut src.take(max_bytes), &mut dst)?;
-        set_backup_start(&dst, start);
+        set_backup_start(&dst, start, log_generation(path).as_deref());
         open_regular(path, OpenOptions::new().write(true))?
             .0
             .set_len(0)?;
@@ -778,12 +778,13 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
 /// The extended attribute on a backup that says where in the rotated log its first byte was.
 const BACKUP_START_XATTR: &std::ffi::CStr = c"user.runwarden.start";
 
-/// Records on a new backup where in the log it starts, so that a follower of the log can
-/// print what it had not read yet from the backup instead of losing it ([`backup_start`]).
-/// Best effort: a file system without user extended attributes just does not tell.
-fn set_backup_start(backup: &fs::File, start: u64) {
+/// Records on a new backup where in the log it starts, and which rotation it follows (the
+/// generation of the backup it replaces), so that a follower of the log can print what it had
+/// not read yet from the backup instead of losing it ([`backup_start`]). Best effort: a file
+/// system without user extended attributes just does not tell.
+fn set_backup_start(backup: &fs::File, start: u64, replaces: Option<&str>) {
     use std::os::fd::AsRawFd;
-    let value = start.to_string();
+    let value = format!("{start} {}", replaces.unwrap_or("-"));
     // SAFETY: a valid descriptor, a NUL-terminated name, and a buffer of the given length.
     unsafe {
         libc::fsetxattr(
@@ -796,11 +797,20 @@ fn set_backup_start(backup: &fs::File, start: u64) {
     };
 }
 
+/// Where a backup starts in the log it was rotated from, and the rotation it replaced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackupStart {
+    /// The offset of the backup's first byte in the rotated log.
+    pub offset: u64,
+    /// The generation ([`log_generation`]) of the backup this one replaced; `None` for the first.
+    pub replaces: Option<String>,
+}
+
 /// Where in the rotated log the backup of the log at `path` starts, if its rotation said so.
-pub fn backup_start(path: &Path) -> Option<u64> {
+pub fn backup_start(path: &Path) -> Option<BackupStart> {
     use std::os::unix::ffi::OsStrExt;
     let backup = std::ffi::CString::new(backup_path(path).as_os_str().as_bytes()).ok()?;
-    let mut buf = [0u8; 24];
+    let mut buf = [0u8; 128];
     // SAFETY: NUL-terminated path and name, and a buffer of the given length. lgetxattr: a
     // link in the backup's place is not followed.
     let n = unsafe {
@@ -812,7 +822,17 @@ pub fn backup_start(path: &Path) -> Option<u64> {
         )
     };
     let n = usize::try_from(n).ok()?;
-    std::str::from_utf8(&buf[..n]).ok()?.parse().ok()
+    let (offset, replaces) = std::str::from_utf8(&buf[..n]).ok()?.split_once(' ')?;
+    Some(BackupStart {
+        offset: offset.parse().ok()?,
+        replaces: (replaces != "-").then(|| replaces.to_string()),
+    })
+}
+
+/// The backup of the log at `path`, for reading: a regular file only, never through a link,
+/// never waiting (see `open_regular`).
+pub fn open_backup(path: &Path) -> std::io::Result<File> {
+    open_regular(&backup_path(path), OpenOptions::new().read(true)).map(|(f, _)| f)
 }
 
 /// `<log>.1`.

@@ -72,11 +72,11 @@ pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
     // away (a restart) is reached again, and the stream goes on after the last event printed:
     // event ids are the board's, so none is missed or printed twice.
     let mut since = args.since;
+    let mut reconnects = Reconnects::default();
     loop {
         client.set_read_timeout(None)?;
-        let lost = {
-            let mut stream = client.follow_events(since, args.id)?;
-            loop {
+        let lost = match client.follow_events(since, args.id) {
+            Ok(mut stream) => loop {
                 match stream.next() {
                     Some(Ok(ev)) => {
                         since = ev.id;
@@ -90,20 +90,65 @@ pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
                     Some(Err(e)) => return Err(e.into()),
                     None => break ClientError::Closed,
                 }
-            }
+            },
+            // A supervisor that answered the hello and then began to stop, say.
+            Err(e) if super::is_passing(&e) => e,
+            Err(e) => return Err(e.into()),
         };
-        client = reconnect(cli, &lost, None)?.expect("no deadline to pass");
+        client = reconnects
+            .reconnect(cli, &lost, None)?
+            .expect("no deadline to pass");
     }
 }
 
-/// Reaches the supervisor again after losing it (`lost`: a restart, say), for up to
-/// `RUNWARDEN_CONNECT_WAIT` (60 s) and not past `deadline`: `None` when the deadline passed
-/// first. One line on stderr says what happened; an error with [`EXIT_LOST`] when it could not
-/// be reached.
+/// A follower's reconnections: the pause before the next attempt carries over from one loss
+/// to the next while they come quickly, so a supervisor that keeps dropping the connection
+/// right after answering (a restart loop) is not hammered.
+#[derive(Default)]
+struct Reconnects {
+    last: Option<Instant>,
+    delay: Duration,
+}
+
+impl Reconnects {
+    /// The first pause of a reconnection.
+    const FIRST: Duration = Duration::from_millis(50);
+    /// The longest pause between two attempts.
+    const MOST: Duration = Duration::from_secs(2);
+
+    /// Reaches the supervisor again after losing it (`lost`: a restart, say), for up to
+    /// `RUNWARDEN_CONNECT_WAIT` (60 s) and not past `deadline`: `None` when the deadline passed
+    /// first. One line on stderr says what happened; an error with [`EXIT_LOST`] when it could
+    /// not be reached.
+    fn reconnect(
+        &mut self,
+        cli: &Cli,
+        lost: &ClientError,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Client>, CliError> {
+        let quick_again = self
+            .last
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1));
+        self.last = Some(Instant::now());
+        if quick_again {
+            self.delay = (self.delay * 2).clamp(Self::FIRST, Self::MOST);
+            let until = deadline.map_or(self.delay, |d| {
+                self.delay.min(d.saturating_duration_since(Instant::now()))
+            });
+            std::thread::sleep(until);
+        } else {
+            self.delay = Self::FIRST;
+        }
+        reconnect(cli, lost, deadline, self.delay)
+    }
+}
+
+/// [`Reconnects::reconnect`], its first pause `delay`.
 fn reconnect(
     cli: &Cli,
     lost: &ClientError,
     deadline: Option<Instant>,
+    mut delay: Duration,
 ) -> Result<Option<Client>, CliError> {
     let path = super::socket_path(cli)?;
     let timeout = super::reply_timeout()?;
@@ -113,7 +158,6 @@ fn reconnect(
         humantime::format_duration(wait)
     );
     let give_up = crate::deadline_after(wait);
-    let mut delay = Duration::from_millis(50);
     loop {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Ok(None);
@@ -123,7 +167,7 @@ fn reconnect(
             Err(e) if super::is_passing(&e) && Instant::now() < give_up => {
                 let until = deadline.map_or(give_up, |d| d.min(give_up));
                 std::thread::sleep(delay.min(until.saturating_duration_since(Instant::now())));
-                delay = (delay * 2).min(Duration::from_secs(2));
+                delay = (delay * 2).min(Reconnects::MOST);
             }
             Err(e) => {
                 return Err(CliError {
@@ -346,13 +390,14 @@ fn copy_to_stdout(file: &mut File) -> Result<(), CliError> {
     stdout.flush().map_err(|_| CliError::quiet())
 }
 
-/// After a rotation, prints what the follower had not read yet (from `pos` in the old log) out
-/// of the new backup, which holds the old log's end and says where it starts
-/// ([`spawn::backup_start`]); says so when that is not known, or when some of it was already
-/// rotated out of reach (the follower was more than a backup behind).
-fn catch_up_from_backup(path: &Path, pos: u64) -> Result<(), CliError> {
+/// After a rotation, prints what the follower had not read yet (from `pos` in the log it was
+/// reading, whose backup's generation was `seen`) out of the new backup, which holds the old
+/// log's end and says where it starts and which rotation it follows
+/// ([`spawn::backup_start`]). Says so when that is not known, when the log was rotated more
+/// than once since the follower last read it, or when some of it was rotated out of reach.
+fn catch_up_from_backup(path: &Path, pos: u64, seen: Option<&str>) -> Result<(), CliError> {
     let backup = spawn::backup_path(path);
-    let (Some(start), Ok(mut file)) = (spawn::backup_start(path), File::open(&backup)) else {
+    let Some(start) = spawn::backup_start(path) else {
         eprintln!(
             "runwarden: {} was rotated; following from its start (what was written just \
              before the rotation is in {})",
@@ -361,15 +406,28 @@ fn catch_up_from_backup(path: &Path, pos: u64) -> Result<(), CliError> {
         );
         return Ok(());
     };
-    if pos < start {
+    let from = if start.replaces.as_deref() != seen {
+        // Rotated twice or more: `pos` is an offset in a log that is gone.
         eprintln!(
-            "runwarden: {} was rotated; {} bytes written before it were rotated out unread",
-            path.display(),
-            start - pos
+            "runwarden: {} was rotated more than once since it was last read; what was \
+             written before the last rotation is lost to this follower",
+            path.display()
         );
-    }
-    file.seek(SeekFrom::Start(pos.saturating_sub(start)))
-        .map_err(|e| CliError::failure(format!("cannot read {}: {e}", backup.display())))?;
+        0
+    } else {
+        if pos < start.offset {
+            eprintln!(
+                "runwarden: {} was rotated; {} bytes written before it were rotated out unread",
+                path.display(),
+                start.offset - pos
+            );
+        }
+        pos.saturating_sub(start.offset)
+    };
+    let read =
+        |e: std::io::Error| CliError::failure(format!("cannot read {}: {e}", backup.display()));
+    let mut file = spawn::open_backup(path).map_err(read)?;
+    file.seek(SeekFrom::Start(from)).map_err(read)?;
     copy_to_stdout(&mut file)
 }
 
@@ -395,6 +453,7 @@ fn follow_file(path: &PathBuf) -> Result<(), CliError> {
                 }
                 // After the read: a rotation that completed meanwhile voids the piece.
                 let rotating = spawn::rotation_path(path).exists();
+                let seen = rotations.seen.clone();
                 match rotations.check(rotating, spawn::log_generation(path), pos, len) {
                     Verdict::Print if !piece.is_empty() => {
                         write_stdout(&piece)?;
@@ -405,7 +464,7 @@ fn follow_file(path: &PathBuf) -> Result<(), CliError> {
                     }
                     Verdict::Print | Verdict::Wait => {}
                     Verdict::Rotated => {
-                        catch_up_from_backup(path, pos)?;
+                        catch_up_from_backup(path, pos, seen.as_deref())?;
                         pos = 0;
                         continue;
                     }
@@ -464,6 +523,7 @@ pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
     let progress = std::io::stderr().is_terminal() && !out.json;
     let mut state: BTreeMap<TaskId, TaskStatus> = BTreeMap::new();
     let mut timed_out = false;
+    let mut reconnects = Reconnects::default();
     loop {
         match wait_on(&mut client, args, deadline, progress, &mut state)? {
             Waited::Settled => break,
@@ -471,7 +531,7 @@ pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
                 timed_out = true;
                 break;
             }
-            Waited::Lost(lost) => match reconnect(cli, &lost, deadline)? {
+            Waited::Lost(lost) => match reconnects.reconnect(cli, &lost, deadline)? {
                 Some(again) => client = again,
                 None => {
                     timed_out = true;
