@@ -9,7 +9,8 @@
 //! - a run whose worker cannot be proven alive or dead (legacy row: no fingerprint) is held —
 //!   never signalled, never released — and `reclaim_deferred` is recorded once its lease expired;
 //! - `stale_after`: a worker without a heartbeat for that long is ended and its run closed
-//!   `stale`, under its assignee's retry rules;
+//!   `stale`, under its assignee's retry rules — counted only while a supervisor listens: a
+//!   heartbeating worker adopted after a restart longer than `stale_after` is not stale;
 //! - `runwarden archive` / `runwarden reclaim` of a running task close its run, then end its
 //!   worker's whole group.
 
@@ -167,6 +168,51 @@ fn heartbeats_refresh_the_lease_and_keep_a_worker_from_going_stale() {
     assert_eq!(runs[0].outcome, Some(RunOutcome::Completed));
     let last_beat = beats.last().unwrap().at;
     assert_eq!(runs[0].heartbeat_at, Some(last_beat));
+    sup.shutdown();
+}
+
+#[test]
+fn a_heartbeating_worker_is_not_stale_for_the_time_no_supervisor_listened() {
+    let td = TestDir::new();
+    // Over the 2 s a waiting beat backs off to between its attempts: it lands within that of
+    // the restart. (lib_config's tick is short: the new supervisor looks for stale runs at once.)
+    let stale_after = Duration::from_secs(3);
+    let mut config = lib_config(&td);
+    config.leases.stale_after = stale_after;
+    config.retries.max_retries = 0;
+    // Beats for ~4 s of running; a beat sent while no supervisor runs waits to reconnect.
+    config.assignees.insert(
+        "w".into(),
+        sh_assignee("for i in $(seq 1 12); do runwarden heartbeat || exit 7; sleep 0.3; done"),
+    );
+    let mut first = config.clone();
+    first.supervisor.shutdown = ShutdownMode::Leave;
+    let mut sup = Supervisor::start(first).expect("start the first incarnation");
+    let task = add(&sup, task_for("beating through a restart", "w"));
+    let (pid, fp) =
+        worker_identity(&sup.wait_event(task, "worker_spawned", SETTLE)).expect("worker identity");
+    let worker = WorkerGuard::pin(pid, &fp);
+    sup.wait_event(task, "heartbeat", SETTLE);
+    sup.shutdown();
+    // Down longer than stale_after since the last beat it heard.
+    let mut db = Db::new(td.db_path());
+    let last = db.runs(task)[0].heartbeat_at.expect("a heartbeat recorded");
+    assert!(
+        wait_until(SETTLE, || now()
+            > last + stale_after.as_millis() as i64 + 300),
+        "time does not pass"
+    );
+    assert!(
+        worker.alive(),
+        "the worker runs on while no supervisor does"
+    );
+
+    let mut sup = Supervisor::start(config).expect("start the second incarnation");
+    let done = sup.wait_status(task, TaskStatus::Done, SETTLE);
+    assert_eq!(done.status, TaskStatus::Done, "{}", sup.history(task));
+    let runs = sup.runs(task);
+    assert_eq!(runs.len(), 1, "never closed stale: {}", sup.history(task));
+    assert_eq!(runs[0].outcome, Some(RunOutcome::Completed));
     sup.shutdown();
 }
 

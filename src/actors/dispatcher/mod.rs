@@ -206,6 +206,10 @@ pub struct DispatcherActor {
     closing: std::collections::HashSet<RunId>,
     reconciling: bool,
     last_lease_refresh: Option<std::time::Instant>,
+    /// When this incarnation started (board time). Staleness is judged only over time it was
+    /// there to hear heartbeats: a worker it adopts has not been silent while no supervisor ran
+    /// (its heartbeat was waiting to reconnect), and gets a full `stale_after` from here.
+    watching_since: board::Millis,
     /// True while a tick's blocking chores (stray-orphan scan, zombie reaping, log rotation)
     /// run on the blocking pool. A tick that finds them still running skips them: with a short
     /// tick or a slow /proc, rounds would otherwise pile up on the pool faster than they
@@ -251,6 +255,7 @@ impl DispatcherActor {
             caps,
             in_pass: false,
             again: false,
+            watching_since: board::now_millis(),
             accepting: true,
             accepting_flag: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             held: HashMap::new(),

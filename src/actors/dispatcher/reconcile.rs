@@ -96,6 +96,14 @@ impl Probe {
     }
 }
 
+/// When a run's worker was last heard of, for `stale_after`: its last heartbeat (else its
+/// start), but never before `watching_since`, when this incarnation began to listen.
+fn last_heard(run: &board::Run, watching_since: board::Millis) -> board::Millis {
+    run.heartbeat_at
+        .unwrap_or(run.started_at)
+        .max(watching_since)
+}
+
 impl DispatcherActor {
     /// Brings every open run that no WorkerActor of ours owns to a defined state: adopt a live
     /// worker of a previous incarnation, close a dead one's run, release a run whose worker was
@@ -179,7 +187,7 @@ impl DispatcherActor {
                     continue; // Closed, its start still ours to settle.
                 }
                 if !stale_after.is_zero() {
-                    let last = run.heartbeat_at.unwrap_or(run.started_at);
+                    let last = last_heard(&run, self.watching_since);
                     if now - last > stale_after.as_millis() as i64 {
                         // A stale run is a failure of its task like any other: its assignee's
                         // max_retries and backoff apply (not the global default, not zero).
@@ -199,6 +207,7 @@ impl DispatcherActor {
             self.last_lease_refresh = Some(std::time::Instant::now());
             let (store, lease_ms) = (self.store.clone(), ttl.as_millis() as i64);
             let stale_ms = stale_after.as_millis() as i64;
+            let since = self.watching_since;
             let error = format!(
                 "no heartbeat for {}",
                 humantime::format_duration(stale_after)
@@ -213,9 +222,9 @@ impl DispatcherActor {
                             let run_id = *run_id;
                             // Judged on a snapshot read before this transaction: a heartbeat
                             // committed since then wins (the worker is not stale after all).
-                            let still_stale = tx.get_run(run_id).is_ok_and(|run| {
-                                now - run.heartbeat_at.unwrap_or(run.started_at) > stale_ms
-                            });
+                            let still_stale = tx
+                                .get_run(run_id)
+                                .is_ok_and(|run| now - last_heard(&run, since) > stale_ms);
                             if !still_stale {
                                 continue;
                             }
