@@ -1,6 +1,7 @@
 //! A full disk under a running supervisor: a write that needs space is refused with
 //! `disk_full` and nothing of it is kept, everything else keeps being served, and writes
-//! succeed again once there is room — without a restart.
+//! succeed again once there is room — without a restart. A worker that exits while the disk is
+//! full keeps its exit: it is recorded once there is room, however long that takes.
 //!
 //! The data dir is a real 4 MiB tmpfs filled by a file (mounting needs root, as CI runs), in
 //! a mount namespace of the test's own thread: nobody else sees it, and it cannot outlive the
@@ -173,4 +174,64 @@ fn a_full_disk_refuses_writes_cleanly_and_the_supervisor_recovers() {
     d.stop();
     let board = runwarden::board::Board::open(&data.join("board.db")).expect("reopen");
     assert_eq!(board.integrity_check().expect("integrity check"), "ok");
+}
+
+#[test]
+fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    // Outside the small file system: the test's signal to the worker.
+    let gate = dir.path().join("gate");
+    let _fs = SmallFs::mount(&data, "4m");
+    let worker = format!(
+        "while [ ! -e {gate:?} ]; do sleep 0.05; done; exit 0",
+        gate = gate.display().to_string()
+    );
+    let mut d = Daemon::start_in(
+        dir,
+        "",
+        &format!(
+            "[retries]\nmax_retries = 0\n\n[assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"
+        ),
+    );
+    let mut c = d.raw();
+    c.hello();
+    let r =
+        c.call(r#"{"id":1,"op":"add_task","title":"exits while the disk is full","assignee":"w"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    let task = r["result"]["id"].as_i64().expect("an id");
+    let show = |c: &mut RawConn| c.call(&format!(r#"{{"id":2,"op":"show_task","task":{task}}}"#));
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || show(&mut c)["result"]["runs"]
+            [0]["worker_pid"]
+            .is_i64()),
+        "the worker never started: {}",
+        show(&mut c)
+    );
+
+    let filler = data.join("filler");
+    assert!(fill(&filler) > 0, "the filler wrote nothing");
+    fs::write(&gate, "").expect("open the gate");
+    // Longer than the few attempts any other refusal gets (1 + 2 + 3 + 4 + 5 s): the exit is
+    // still waiting to be recorded, the run open, nothing closed as a crash.
+    let full_since = Instant::now();
+    while full_since.elapsed() < Duration::from_secs(17) {
+        std::thread::sleep(Duration::from_millis(500));
+        let r = show(&mut c);
+        assert_eq!(r["result"]["status"], "running", "{r}");
+    }
+    fs::remove_file(&filler).expect("remove the filler");
+    let mut last = serde_json::Value::Null;
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(20), || {
+            last = show(&mut c);
+            last["result"]["status"] == "done"
+        }),
+        "the exit was never recorded: {last}"
+    );
+    let run = &last["result"]["runs"][0];
+    assert_eq!(run["outcome"], "completed", "{last}");
+    assert_eq!(run["exit_code"], 0, "{last}");
+    d.assert_healthy();
 }

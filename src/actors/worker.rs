@@ -42,8 +42,11 @@ pub struct Terminate {
 #[rtype(result = "()")]
 struct LeaderExited;
 
-/// Extra attempts at recording an exit the store refused.
+/// Extra attempts at recording an exit the store refused for a reason that is not expected to
+/// pass (a full disk or a busy board is waited out for as long as it lasts).
 const EXIT_RECORD_RETRIES: u32 = 5;
+/// Longest pause between two attempts at recording an exit.
+const EXIT_RECORD_PAUSE_MAX: Duration = Duration::from_secs(10);
 
 /// Up to this age a leader's escaped descendants are looked for among the pids handed out
 /// since its own (see `descendants::carrier_among_recent`); an older one's exit scans /proc.
@@ -450,15 +453,26 @@ impl WorkerActor {
             claim_next: self.claim_on_close.clone(),
         };
         async move {
-            // A refused commit (the board busy past its timeout, a full disk) is retried: an
-            // unrecorded exit would leave the run open with nobody watching it.
-            let mut attempt = 0;
+            // A refused commit is retried: an unrecorded exit would leave the run open with
+            // nobody watching it, and its status (known only here) lost — a clean exit would
+            // then count as a crash. A full disk or a busy board is waited out for as long as
+            // it lasts (this actor keeps the run's slot meanwhile); anything else is tried a
+            // few times. A store that is stopping ends the attempts (the next supervisor's
+            // reconcile closes the run).
+            let mut attempt = 0u32;
             loop {
                 match outcome::record_exit(&store, ctx_in.clone()).await {
-                    Err(e) if attempt < EXIT_RECORD_RETRIES => {
+                    Err(e)
+                        if matches!(e.code, "disk_full" | "busy")
+                            || (e.code != "unavailable" && attempt < EXIT_RECORD_RETRIES) =>
+                    {
                         attempt += 1;
-                        tracing::warn!(run_id = ctx_in.run_id, error = %e, attempt, "worker: exit not recorded; retrying");
-                        tokio::time::sleep(Duration::from_secs(attempt as u64)).await;
+                        // Said at the first refusal, then about once a minute.
+                        if attempt == 1 || attempt.is_multiple_of(6) {
+                            tracing::warn!(run_id = ctx_in.run_id, error = %e, attempt, "worker: exit not recorded; retrying");
+                        }
+                        let pause = Duration::from_secs(u64::from(attempt)).min(EXIT_RECORD_PAUSE_MAX);
+                        tokio::time::sleep(pause).await;
                     }
                     other => return other,
                 }
