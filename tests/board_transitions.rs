@@ -426,7 +426,8 @@ fn link_refuses_a_cycle_and_names_it() {
     tb.board.write(|tx| tx.link(a, b, T)).unwrap();
     assert_eq!(events_of(&mut tb.board, b, "linked").len(), 1);
 
-    // A finished task never runs again: it cannot be made to wait.
+    // A finished task never runs again, a running one is not waiting: neither can be made to
+    // wait.
     let done = ready(&mut tb, "done");
     let run = claim(&mut tb, done, T);
     tb.board
@@ -434,7 +435,10 @@ fn link_refuses_a_cycle_and_names_it() {
         .unwrap();
     let archived = ready(&mut tb, "archived");
     tb.board.write(|tx| tx.archive_task(archived, T)).unwrap();
-    for (child, what) in [(done, "done"), (archived, "archived")] {
+    // Nor can a running one: this run does not wait.
+    let running = ready(&mut tb, "running");
+    claim(&mut tb, running, T);
+    for (child, what) in [(done, "done"), (archived, "archived"), (running, "running")] {
         match tb.board.write(|tx| tx.link(c, child, T)).unwrap_err() {
             BoardError::Invalid(msg) => {
                 assert!(msg.contains(&format!("task {child} is {what}")), "{msg}")

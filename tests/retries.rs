@@ -112,6 +112,7 @@ fn a_crash_backs_off_exponentially_then_gives_up_until_unblocked() {
     assert_backoffs(&mut sup, task, backoff);
     let gave_up = sup.events_of(task, "gave_up");
     assert_eq!(gave_up.len(), 1, "{}", sup.history(task));
+    assert_eq!(gave_up[0].payload["reason"], "retries_exhausted");
     let last_error = gave_up[0].payload["last_error"]
         .as_str()
         .expect("last_error")
@@ -270,6 +271,8 @@ fn fail_exit_codes_block_at_once() {
     assert!(sup.events_of(task, "retry_scheduled").is_empty());
     let gave_up = sup.events_of(task, "gave_up");
     assert_eq!(gave_up.len(), 1);
+    // It says why it gave up at the first failure.
+    assert_eq!(gave_up[0].payload["reason"], "fail_exit_code");
     let last_error = gave_up[0].payload["last_error"].as_str().unwrap();
     assert!(last_error.contains("exited with code 42"), "{last_error}");
     assert!(last_error.contains("fatal: bad input"), "{last_error}");

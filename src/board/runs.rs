@@ -564,7 +564,15 @@ impl Tx<'_> {
                 Some(task.id),
                 Some(run_id),
                 "gave_up",
-                json!({ "last_error": failure.error, "failures": failures, "max_retries": max_retries, "outcome": failure.outcome }),
+                json!({
+                    "last_error": failure.error,
+                    "failures": failures,
+                    "max_retries": max_retries,
+                    "outcome": failure.outcome,
+                    // Why now: an exit code in `fail_exit_codes` ends the retries whatever
+                    // their count says.
+                    "reason": if failure.give_up_now { "fail_exit_code" } else { "retries_exhausted" },
+                }),
                 now,
             )?;
         } else {

@@ -123,10 +123,15 @@ impl Tx<'_> {
         }
         let parent_status = self.task_status(parent)?;
         let child_status = self.task_status(child)?;
-        if matches!(child_status, TaskStatus::Done | TaskStatus::Archived) {
-            // It will never run again: a link would say it waits when it never will.
+        if matches!(
+            child_status,
+            TaskStatus::Done | TaskStatus::Archived | TaskStatus::Running
+        ) {
+            // Finished, it never runs again; running, this run does not wait: a link would say
+            // it waits when it does not.
             return Err(BoardError::Invalid(format!(
-                "task {child} is {}: only an unfinished task can wait for another",
+                "task {child} is {}: only a task that is not running or finished can be made \
+                 to wait for another",
                 child_status.as_str()
             )));
         }
