@@ -431,6 +431,18 @@ fn a_numeric_user_gets_its_primary_group_or_needs_one() {
         .expect("a numeric user with a passwd entry");
     let coder = config.assignee("coder").unwrap();
     assert_eq!(coder.uid, Some(1));
+    // As a TOML integer too ("name or uid"), and a group alike.
+    let config = Config::from_toml_str(&format!("{CODER}user = 1\ngroup = 1\n"), Path::new("/tmp"))
+        .expect("a uid and gid written as integers");
+    let coder = config.assignee("coder").unwrap();
+    assert_eq!((coder.uid, coder.gid), (Some(1), Some(1)));
+    for bad in ["-1", "4294967296", "true"] {
+        let message = refused(&format!("{CODER}user = {bad}\n"));
+        assert!(
+            message.contains("[assignees.coder] user"),
+            "{bad}: {message}"
+        );
+    }
     assert_eq!(
         coder.gid,
         Some(entry.gid.as_raw()),

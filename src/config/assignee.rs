@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::serde_helpers::{duration, opt_duration, rlimits, umask};
+use super::serde_helpers::{duration, name_or_id, opt_duration, rlimits, umask};
 
 /// `[assignees.NAME]`: how the workers of one assignee are run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,10 +42,10 @@ pub struct AssigneeConfig {
     #[serde(default = "default_thirty_seconds", with = "duration")]
     pub retry_cooldown: Duration,
     /// Run the worker as this user (name, or a numeric uid). Looked up at load time.
-    #[serde(default)]
+    #[serde(default, with = "name_or_id")]
     pub user: Option<String>,
     /// Run the worker with this group (name, or a numeric gid); defaults to `user`'s primary group.
-    #[serde(default)]
+    #[serde(default, with = "name_or_id")]
     pub group: Option<String>,
     /// Resolved from `user` at load time; not a config key.
     #[serde(skip)]

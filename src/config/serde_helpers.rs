@@ -142,6 +142,56 @@ pub(super) mod umask {
     }
 }
 
+/// A user or group: a name, or a numeric id written as a string (`"1000"`) or a TOML integer
+/// (`1000`), kept as the string the lookup takes.
+pub(super) mod name_or_id {
+    use super::*;
+
+    struct NameOrIdVisitor;
+
+    impl Visitor<'_> for NameOrIdVisitor {
+        type Value = Option<String>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a name, or a numeric id such as 1000")
+        }
+
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Option<String>, E> {
+            Ok(Some(s.to_string()))
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Option<String>, E> {
+            match u32::try_from(v) {
+                Ok(id) => Ok(Some(id.to_string())),
+                Err(_) => Err(E::custom(format!(
+                    "id {v} is out of range; expected 0 to {}",
+                    u32::MAX
+                ))),
+            }
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Option<String>, E> {
+            self.visit_i64(i64::try_from(v).unwrap_or(-1))
+        }
+    }
+
+    pub(in crate::config) fn serialize<S: Serializer>(
+        v: &Option<String>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(v) => s.serialize_str(v),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(in crate::config) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<String>, D::Error> {
+        d.deserialize_any(NameOrIdVisitor)
+    }
+}
+
 /// Resource limits: name → integer, or `"unlimited"` (stored as `u64::MAX`, `RLIM_INFINITY`).
 /// The names are checked by validation, which can name the offending entry.
 pub(super) mod rlimits {
