@@ -185,6 +185,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     create_dirs(&config)?;
     // After create_dirs: a working directory inside the data dir may be one of ours.
     config.check_working_dirs()?;
+    config.check_rlimits()?;
     let lock = LockFile::acquire(&config.lock_path())?;
     // Bound before any actor runs (a live socket refuses the start); served once they are up.
     let socket =

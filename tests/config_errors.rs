@@ -531,3 +531,50 @@ fn a_data_dir_that_is_a_file_is_named_as_such() {
         "{message}"
     );
 }
+
+/// A resource limit no worker could be given is refused when a supervisor starts, naming the
+/// key — not found out at every spawn (`spawn_failed`). Checked against the starting process:
+/// `nofile` above `fs.nr_open` for anyone, and any limit above this process's hard limit for a
+/// worker that runs as another user (only root may raise a hard limit).
+#[test]
+fn a_resource_limit_no_worker_could_be_given_is_refused_at_start() {
+    use nix::sys::resource::{Resource, getrlimit};
+    let nr_open: u64 = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .expect("fs.nr_open")
+        .trim()
+        .parse()
+        .expect("a number");
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).expect("getrlimit");
+    assert!(
+        hard < nr_open,
+        "this test needs a finite nofile hard limit under fs.nr_open ({hard} / {nr_open})"
+    );
+    let with = |user: Option<&str>, nofile: u64| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::with_data_dir(dir.path());
+        let mut coder = AssigneeConfig::new(["true"]);
+        coder.user = user.map(str::to_string);
+        coder.rlimits.insert("nofile".into(), nofile);
+        config.assignees.insert("coder".into(), coder);
+        config.validate().expect("valid at load");
+        config.check_rlimits()
+    };
+    let message = |r: Result<(), ConfigError>| match r {
+        Err(ConfigError::Invalid { message, .. }) => message,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let m = message(with(None, nr_open + 1));
+    assert!(
+        m.contains("[assignees.coder] rlimits.nofile") && m.contains("fs.nr_open"),
+        "{m}"
+    );
+    // Root (this test) may raise its hard limit for a worker that runs as root...
+    with(None, hard + 1).expect("a root worker may raise the hard limit");
+    // ...not for one that runs as another user.
+    let m = message(with(Some("daemon"), hard + 1));
+    assert!(
+        m.contains("[assignees.coder] rlimits.nofile") && m.contains("hard limit"),
+        "{m}"
+    );
+    with(Some("daemon"), hard).expect("up to the hard limit is fine");
+}

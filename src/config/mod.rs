@@ -371,6 +371,59 @@ impl Config {
         Ok(())
     }
 
+    /// Refuses a resource limit no worker of its assignee could be given, naming the key:
+    /// `nofile` above the system's maximum (`fs.nr_open`), or any limit above this process's
+    /// hard limit for a worker that does not run as root (the limits are set in the worker
+    /// after it has become its user, and only root may raise a hard limit). Run when a
+    /// supervisor starts, not at load: the limits are the starting process's. Without it, every
+    /// run of the assignee would end `spawn_failed`.
+    pub fn check_rlimits(&self) -> Result<(), ConfigError> {
+        use nix::sys::resource::{Resource, getrlimit};
+        let root = nix::unistd::geteuid().is_root();
+        let nr_open: Option<u64> = std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|s| s.trim().parse().ok());
+        let shown = |v: u64| {
+            if v == u64::MAX {
+                "unlimited".to_string()
+            } else {
+                v.to_string()
+            }
+        };
+        for (name, a) in &self.assignees {
+            let as_root = root && a.uid.is_none_or(|uid| uid == 0);
+            for (limit, &value) in &a.rlimits {
+                let Some(resource) = rlimit_resource(limit) else {
+                    continue;
+                };
+                let problem = match nr_open {
+                    Some(max) if resource == Resource::RLIMIT_NOFILE && value > max => {
+                        Some(format!(
+                            "{} is above the system's maximum (fs.nr_open = {max})",
+                            shown(value)
+                        ))
+                    }
+                    _ if as_root => None,
+                    _ => match getrlimit(resource) {
+                        Ok((_, hard)) if value > hard => Some(format!(
+                            "{} is above this supervisor's hard limit ({}); only a worker that \
+                             runs as root may raise it",
+                            shown(value),
+                            shown(hard)
+                        )),
+                        _ => None,
+                    },
+                };
+                if let Some(problem) = problem {
+                    return Err(
+                        self.invalid(format!("[assignees.{name}] rlimits.{limit}: {problem}"))
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// An `Invalid` error about this config (its file, or [`IN_CODE`]).
     pub(crate) fn invalid(&self, message: String) -> ConfigError {
         ConfigError::Invalid {
