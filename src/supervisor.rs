@@ -77,7 +77,8 @@ struct Booted {
     hooks: HooksStop,
     /// This incarnation's hook token, released once it has stopped cleanly.
     hook_token: Arc<str>,
-    _lock: LockFile,
+    /// Released last, after the hook token: a successor cannot start in between.
+    lock: Option<LockFile>,
     /// Held until the supervisor has stopped (see [`process::Subreaper`]).
     subreaper: Option<process::Subreaper>,
 }
@@ -257,7 +258,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         control,
         hooks,
         hook_token,
-        _lock: lock,
+        lock: Some(lock),
         subreaper,
     })
 }
@@ -332,15 +333,20 @@ where
             });
             let _ = actix_rt::time::timeout(Duration::from_secs(1), reap).await;
         }
-        let token = booted.hook_token.clone();
+        let mut booted = booted;
+        let kept = (booted.hook_token.clone(), booted.lock.take());
         drop(booted);
-        Ok(token)
+        Ok(kept)
     });
     System::current().stop();
     // The runtime's end waits for the hooks' threads: every hook of this incarnation has been
-    // ended now, and the next one has nothing to end by this token.
+    // ended now, and the next one has nothing to end by this token. The lock goes last: a
+    // successor takes over the token file only once this one is done with it.
     let _ = system.run();
-    let result = result.map(|token| release_hook_token(&data_dir, &token));
+    let result = result.map(|(token, lock)| {
+        release_hook_token(&data_dir, &token);
+        drop(lock);
+    });
     drop(policy);
     result
 }

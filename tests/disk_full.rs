@@ -191,8 +191,11 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
     let mut d = Daemon::start_in(
         dir,
         "",
+        // A stale_after well under the outage: a worker whose exit waits to be recorded is
+        // not "silent", and must not be closed stale meanwhile.
         &format!(
-            "[retries]\nmax_retries = 0\n\n[assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"
+            "[leases]\nstale_after = \"5s\"\n\n[retries]\nmax_retries = 0\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"
         ),
     );
     let mut c = d.raw();

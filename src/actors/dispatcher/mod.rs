@@ -182,6 +182,8 @@ struct Worker {
     exit_seen: bool,
     /// The run's token: descendants carrying it belong to this live run.
     token: String,
+    /// Its leader's exit waits to be recorded (see `WorkerActor::exit_pending`).
+    exit_pending: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The actor.
@@ -388,6 +390,7 @@ impl DispatcherActor {
         pid: Option<i32>,
         token: String,
     ) {
+        let exit_pending = worker.exit_pending();
         let addr = worker.with_claim_on_close(self.claim_params()).start();
         self.workers.insert(
             run_id,
@@ -397,6 +400,7 @@ impl DispatcherActor {
                 pid,
                 exit_seen: false,
                 token,
+                exit_pending,
             },
         );
     }

@@ -186,7 +186,11 @@ impl DispatcherActor {
                 if !run.is_open() {
                     continue; // Closed, its start still ours to settle.
                 }
-                if !stale_after.is_zero() {
+                let exit_pending = self
+                    .workers
+                    .get(&run.id)
+                    .is_some_and(|w| w.exit_pending.load(std::sync::atomic::Ordering::Acquire));
+                if !stale_after.is_zero() && !exit_pending {
                     let last = last_heard(&run, self.watching_since);
                     if now - last > stale_after.as_millis() as i64 {
                         // A stale run is a failure of its task like any other: its assignee's
