@@ -447,6 +447,14 @@ fn link_refuses_a_cycle_and_names_it() {
         }
         assert!(events_of(&mut tb.board, child, "linked").is_empty());
     }
+    // Linking a pair again stays a no-op once the child runs; a new pair is refused.
+    let waiting = ready(&mut tb, "waiting");
+    tb.board.write(|tx| tx.link(done, waiting, T)).unwrap();
+    claim(&mut tb, waiting, T);
+    tb.board
+        .write(|tx| tx.link(done, waiting, T))
+        .expect("the same link again");
+    assert!(tb.board.write(|tx| tx.link(c, waiting, T)).is_err());
     // A comment needs an author as much as a body.
     assert!(matches!(
         tb.board.write(|tx| tx.comment(c, " ", "looks good", T)),

@@ -123,6 +123,13 @@ impl Tx<'_> {
         }
         let parent_status = self.task_status(parent)?;
         let child_status = self.task_status(child)?;
+        let linked: bool = self
+            .conn
+            .prepare_cached("SELECT 1 FROM task_links WHERE parent_id = ?1 AND child_id = ?2")?
+            .exists(params![parent, child])?;
+        if linked {
+            return Ok(()); // Linking the same pair again is a no-op, whatever the child does now.
+        }
         if matches!(
             child_status,
             TaskStatus::Done | TaskStatus::Archived | TaskStatus::Running
