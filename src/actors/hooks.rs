@@ -323,6 +323,8 @@ pub fn take_over_hook_token(data_dir: &Path, kill_timeout: Duration) -> Arc<str>
             .create(true)
             .truncate(true)
             .mode(0o600)
+            // The data dir is ours, but a link in the file's place is never followed.
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .and_then(|mut f| f.write_all(token.as_bytes()))
     };
