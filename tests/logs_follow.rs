@@ -1,7 +1,8 @@
 //! `runwarden logs --follow` across a rotation: a log is rotated by copy and truncation, so a
 //! follower cannot tell from the size alone that the log started over once it has grown past
 //! the follower's offset again. The new backup tells it, read from the file and through the
-//! socket (`read_log`'s `rotation`).
+//! socket (`read_log`'s `rotation`), and what the follower had not read yet is printed from
+//! the backup (its start recorded by the rotation) before the new log.
 
 #[allow(dead_code)]
 mod common;
@@ -189,6 +190,19 @@ fn following_through_the_socket_starts_over_after_a_rotation_too() {
     append(&log, "more\n");
     assert_eq!(lines(&rx, 1), ["more"]);
     rotate_under(&follower, &rx, &log);
+    // What it had not read when the log rotated comes from the backup, through the socket too.
+    follower
+        .pidfd()
+        .signal(Signal::SIGSTOP)
+        .expect("stop the follower");
+    append(&log, "unread-1\nunread-2\n");
+    rotate_if_needed(&log, 18);
+    append(&log, "fresh-2\n");
+    follower
+        .pidfd()
+        .signal(Signal::SIGCONT)
+        .expect("continue the follower");
+    assert_eq!(lines(&rx, 3), ["unread-1", "unread-2", "fresh-2"]);
 }
 
 #[test]

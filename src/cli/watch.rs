@@ -266,6 +266,7 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
         };
         if args.follow {
             let rotations = rotations.get_or_insert_with(|| Rotations::new(piece.rotation.clone()));
+            let seen = rotations.seen.clone();
             // The supervisor answers between rotations (it reads again during one).
             match rotations.check(false, piece.rotation.clone(), piece.offset, piece.size) {
                 Verdict::Print => {}
@@ -273,9 +274,14 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
                     std::thread::sleep(LOG_POLL);
                     continue;
                 }
-                Verdict::StartOver | Verdict::Rotated => {
+                Verdict::Rotated => {
+                    catch_up_by_socket(&mut client, args.id, offset, seen.as_deref())?;
+                    offset = 0;
+                    continue;
+                }
+                Verdict::StartOver => {
                     eprintln!(
-                        "runwarden: the log of task {} was rotated; following from its start",
+                        "runwarden: the log of task {} was truncated; following from its start",
                         args.id
                     );
                     offset = 0;
@@ -406,29 +412,80 @@ fn catch_up_from_backup(path: &Path, pos: u64, seen: Option<&str>) -> Result<(),
         );
         return Ok(());
     };
-    let from = if start.replaces.as_deref() != seen {
-        // Rotated twice or more: `pos` is an offset in a log that is gone.
-        eprintln!(
-            "runwarden: {} was rotated more than once since it was last read; what was \
-             written before the last rotation is lost to this follower",
-            path.display()
-        );
-        0
-    } else {
-        if pos < start.offset {
-            eprintln!(
-                "runwarden: {} was rotated; {} bytes written before it were rotated out unread",
-                path.display(),
-                start.offset - pos
-            );
-        }
-        pos.saturating_sub(start.offset)
-    };
+    let what = path.display().to_string();
+    let from = catch_up_from(&what, pos, start.offset, start.replaces.as_deref(), seen);
     let read =
         |e: std::io::Error| CliError::failure(format!("cannot read {}: {e}", backup.display()));
     let mut file = spawn::open_backup(path).map_err(read)?;
     file.seek(SeekFrom::Start(from)).map_err(read)?;
     copy_to_stdout(&mut file)
+}
+
+/// [`catch_up_from_backup`] through the supervisor (`read_log` with `backup`), for an operator
+/// who may not read the files.
+fn catch_up_by_socket(
+    client: &mut Client,
+    task: TaskId,
+    pos: u64,
+    seen: Option<&str>,
+) -> Result<(), CliError> {
+    let what = format!("the log of task {task}");
+    // The first piece says where the backup starts, and which rotation it is.
+    let first = match client.read_log_backup(task, 0, Some(1)) {
+        Ok(piece) => piece,
+        Err(e) if e.code() == Some(code::NOT_FOUND) => {
+            eprintln!("runwarden: {what} was rotated; following from its start");
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let Some(start) = first.backup_start else {
+        eprintln!(
+            "runwarden: {what} was rotated; following from its start (what was written just \
+             before the rotation is in its backup)"
+        );
+        return Ok(());
+    };
+    let mut offset = catch_up_from(&what, pos, start, first.replaces.as_deref(), seen);
+    loop {
+        let piece = client.read_log_backup(task, offset, None)?;
+        if piece.rotation != first.rotation {
+            eprintln!("runwarden: {what} was rotated again while its backup was read");
+            return Ok(());
+        }
+        write_stdout(piece.data.as_bytes())?;
+        if piece.next == offset || piece.next >= piece.size {
+            return Ok(());
+        }
+        offset = piece.next;
+    }
+}
+
+/// Where in a new backup (starting at `start` of the rotated log, replacing the backup whose
+/// rotation was `replaces`) a follower that was at `pos` of that log, having last seen the
+/// rotation `seen`, goes on; says on stderr what it lost, if anything.
+fn catch_up_from(
+    what: &str,
+    pos: u64,
+    start: u64,
+    replaces: Option<&str>,
+    seen: Option<&str>,
+) -> u64 {
+    if replaces != seen {
+        // Rotated twice or more: `pos` is an offset in a log that is gone.
+        eprintln!(
+            "runwarden: {what} was rotated more than once since it was last read; what was \
+             written before the last rotation is lost to this follower"
+        );
+        return 0;
+    }
+    if pos < start {
+        eprintln!(
+            "runwarden: {what} was rotated; {} bytes written before it were rotated out unread",
+            start - pos
+        );
+    }
+    pos.saturating_sub(start)
 }
 
 /// `tail -f`: prints the file, then polls for growth; after a rotation, what it had not read

@@ -403,10 +403,31 @@ impl Client {
         offset: u64,
         max_bytes: Option<u64>,
     ) -> Result<ReadLogReply, ClientError> {
+        self.read_log_of(task, offset, max_bytes, false)
+    }
+
+    /// [`Client::read_log`] of the task's log backup (`<log>.1`), with where it starts.
+    pub fn read_log_backup(
+        &mut self,
+        task: TaskId,
+        offset: u64,
+        max_bytes: Option<u64>,
+    ) -> Result<ReadLogReply, ClientError> {
+        self.read_log_of(task, offset, max_bytes, true)
+    }
+
+    fn read_log_of(
+        &mut self,
+        task: TaskId,
+        offset: u64,
+        max_bytes: Option<u64>,
+        backup: bool,
+    ) -> Result<ReadLogReply, ClientError> {
         self.call(&Request::ReadLog(ReadLog {
             task,
             offset: Some(offset),
             max_bytes,
+            backup,
         }))
     }
 

@@ -442,18 +442,32 @@ fn read_log(
         r.offset.unwrap_or(0),
         r.max_bytes.unwrap_or(MAX_LOG_CHUNK).clamp(1, MAX_LOG_CHUNK),
     );
+    let backup = r.backup;
     async move {
-        let read = actix_rt::task::spawn_blocking(move || read_log_piece(&path, offset, max))
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        let read = actix_rt::task::spawn_blocking(move || {
+            let piece = if backup {
+                read_log_piece(&spawn::backup_path(&path), &path, offset, max)
+            } else {
+                read_log_piece(&path, &path, offset, max)
+            };
+            piece.map(|p| (p, backup.then(|| spawn::backup_start(&path)).flatten()))
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
         let result = match read {
-            Ok(Some((bytes, size, rotation))) => Ok(ReadLogReply {
+            Ok((Some((bytes, size, rotation)), start)) => Ok(ReadLogReply {
                 rotation,
+                backup_start: start.as_ref().map(|s| s.offset),
+                replaces: start.and_then(|s| s.replaces),
                 ..log_piece(offset, &bytes, size)
             }),
-            Ok(None) => Err(OpError {
+            Ok((None, _)) => Err(OpError {
                 code: code::NOT_FOUND,
-                message: format!("task {} has no log", r.task),
+                message: if backup {
+                    format!("task {} has no log backup", r.task)
+                } else {
+                    format!("task {} has no log", r.task)
+                },
             }),
             Err(e) => Err(OpError {
                 code: code::INTERNAL,
@@ -468,16 +482,22 @@ fn read_log(
 /// A piece of a log: its bytes, the log's size, and the rotation it was read in.
 type Piece = (Vec<u8>, u64, Option<String>);
 
-/// [`spawn::read_log`] with the rotation the bytes belong to, read between rotations: again
-/// (a millisecond later) when one was under way or completed meanwhile. A few times at most: a
-/// backup left in the making by a rotation cut short stays until the next rotation.
-fn read_log_piece(path: &std::path::Path, offset: u64, max: u64) -> std::io::Result<Option<Piece>> {
+/// [`spawn::read_log`] of `file` (the log at `log`, or its backup) with the rotation the bytes
+/// belong to, read between rotations: again (a millisecond later) when one was under way or
+/// completed meanwhile. A few times at most: a backup left in the making by a rotation cut
+/// short stays until the next rotation.
+fn read_log_piece(
+    file: &std::path::Path,
+    log: &std::path::Path,
+    offset: u64,
+    max: u64,
+) -> std::io::Result<Option<Piece>> {
     let mut attempts = 0;
     loop {
-        let before = spawn::log_generation(path);
-        let read = spawn::read_log(path, offset, max)?;
-        let rotating = spawn::rotation_path(path).exists();
-        let after = spawn::log_generation(path);
+        let before = spawn::log_generation(log);
+        let read = spawn::read_log(file, offset, max)?;
+        let rotating = spawn::rotation_path(log).exists();
+        let after = spawn::log_generation(log);
         attempts += 1;
         if (before == after && !rotating) || attempts == 3 {
             return Ok(read.map(|(bytes, size)| (bytes, size, after)));
@@ -497,6 +517,8 @@ fn log_piece(offset: u64, bytes: &[u8], size: u64) -> ReadLogReply {
         size,
         data: String::from_utf8_lossy(&bytes[..whole]).into_owned(),
         rotation: None,
+        backup_start: None,
+        replaces: None,
     }
 }
 

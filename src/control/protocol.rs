@@ -708,6 +708,10 @@ pub struct ReadLog {
     /// At most this many bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_bytes: Option<u64>,
+    /// Read the log's backup (`<log>.1`) instead: after a rotation, what a follower had not
+    /// read yet is at its end (see [`ReadLogReply::backup_start`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub backup: bool,
 }
 
 /// `read_log`: the bytes from `offset` to `next` as text (invalid UTF-8 replaced; a character
@@ -725,6 +729,15 @@ pub struct ReadLogReply {
     /// 0 — the log may have grown past its offset again since, so the size alone cannot say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rotation: Option<String>,
+    /// With `backup`: where the backup's first byte was in the log it was rotated from (a
+    /// follower at offset `o` of that log goes on at `o - backup_start` of the backup)...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backup_start: Option<u64>,
+    /// ...and the `rotation` of the backup it replaced: a follower that last saw another one
+    /// missed a rotation, and its offset means nothing in this backup. Both absent when the
+    /// file system keeps no extended attributes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaces: Option<String>,
 }
 
 /// `reap_now`: the sweep was started.
