@@ -39,8 +39,9 @@ fn has_connected_socket(pid: i32) -> bool {
     })
 }
 
-/// `runwarden ARGS` against the daemon's socket, stderr into `stderr`, stdout discarded.
-fn spawn_cli(d: &Daemon, args: &[&str], stderr: &std::path::Path, wait: &str) -> ChildGuard {
+/// `runwarden ARGS` against the daemon's socket (`RUNWARDEN_CONNECT_WAIT` = `wait`), stderr
+/// into `stderr`, stdout discarded; returned once it has connected.
+fn connected_cli(d: &Daemon, args: &[&str], stderr: &std::path::Path, wait: &str) -> ChildGuard {
     let mut cmd = command();
     cmd.env("RUNWARDEN_CONNECT_WAIT", wait)
         .arg("--socket")
@@ -50,7 +51,12 @@ fn spawn_cli(d: &Daemon, args: &[&str], stderr: &std::path::Path, wait: &str) ->
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(fs::File::create(stderr).unwrap());
-    ChildGuard::spawn(&mut cmd).expect("spawn runwarden")
+    let child = ChildGuard::spawn(&mut cmd).expect("spawn runwarden");
+    assert!(
+        wait_until(SETTLE, || has_connected_socket(child.pid())),
+        "{args:?} never connected"
+    );
+    child
 }
 
 fn exit_code(child: &mut ChildGuard) -> Option<i32> {
@@ -72,7 +78,7 @@ fn wait_and_follow_go_on_across_a_supervisor_restart() {
     // No assignee: it stays ready until an operator completes it.
     let task = ok(&d.cli(&["add", "waited for"])).trim().to_string();
     let wait_err = d.dir.path().join("wait.stderr");
-    let mut waiting = spawn_cli(&d, &["wait", &task], &wait_err, "30s");
+    let mut waiting = connected_cli(&d, &["wait", &task], &wait_err, "30s");
     let mut follow = command();
     follow
         .env("RUNWARDEN_CONNECT_WAIT", "30s")
@@ -91,10 +97,6 @@ fn wait_and_follow_go_on_across_a_supervisor_restart() {
         })
     };
     assert!(saw("waited for", &mut seen), "the follower never followed");
-    assert!(
-        wait_until(SETTLE, || has_connected_socket(waiting.pid())),
-        "wait never connected"
-    );
 
     d.restart();
 
@@ -125,11 +127,7 @@ fn a_wait_whose_supervisor_does_not_come_back_exits_3() {
     let mut d = Daemon::start("", "");
     let task = ok(&d.cli(&["add", "never done"])).trim().to_string();
     let wait_err = d.dir.path().join("wait.stderr");
-    let mut waiting = spawn_cli(&d, &["wait", &task], &wait_err, "1s");
-    assert!(
-        wait_until(SETTLE, || has_connected_socket(waiting.pid())),
-        "wait never connected"
-    );
+    let mut waiting = connected_cli(&d, &["wait", &task], &wait_err, "1s");
     d.stop();
     assert_eq!(exit_code(&mut waiting), Some(3));
     let said = fs::read_to_string(&wait_err).unwrap();
@@ -141,11 +139,7 @@ fn a_wait_whose_supervisor_does_not_come_back_exits_3() {
     let mut d = Daemon::start("", "");
     let task = ok(&d.cli(&["add", "never done"])).trim().to_string();
     let err = d.dir.path().join("wait2.stderr");
-    let mut timed = spawn_cli(&d, &["wait", &task, "--timeout", "1s"], &err, "30s");
-    assert!(
-        wait_until(SETTLE, || has_connected_socket(timed.pid())),
-        "wait never connected"
-    );
+    let mut timed = connected_cli(&d, &["wait", &task, "--timeout", "1s"], &err, "30s");
     d.stop();
     assert_eq!(
         exit_code(&mut timed),

@@ -97,17 +97,21 @@ fn an_unanswering_supervisor_times_out_operator_commands_but_not_followers() {
 fn a_timeout_that_is_not_a_duration_is_refused() {
     let mut d = Daemon::start("", "");
     let socket = d.socket.to_str().unwrap().to_string();
+    // Exit 2, naming the variable.
+    let refused = |var: &str, cmd: std::process::Command| {
+        let out = run(cmd);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{var}: {stderr}");
+        assert!(
+            stderr.contains(var) && stderr.contains("not a duration"),
+            "{var}: {stderr}"
+        );
+    };
     for bad in ["5", "soon", "-1s"] {
         let mut cmd = command();
         cmd.env("RUNWARDEN_TIMEOUT", bad)
             .args(["--socket", &socket, "status"]);
-        let out = run(cmd);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{bad}: {stderr}");
-        assert!(
-            stderr.contains("RUNWARDEN_TIMEOUT") && stderr.contains("not a duration"),
-            "{bad}: {stderr}"
-        );
+        refused("RUNWARDEN_TIMEOUT", cmd);
     }
     for good in ["0s", "0", "2m", " 30s "] {
         let mut cmd = command();
@@ -122,12 +126,6 @@ fn a_timeout_that_is_not_a_duration_is_refused() {
         .env("RUNWARDEN_RUN_ID", "1")
         .env("RUNWARDEN_RUN_TOKEN", "t")
         .args(["--socket", &socket, "heartbeat"]);
-    let out = run(cmd);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(
-        stderr.contains("RUNWARDEN_CONNECT_WAIT") && stderr.contains("not a duration"),
-        "{stderr}"
-    );
+    refused("RUNWARDEN_CONNECT_WAIT", cmd);
     d.assert_healthy();
 }

@@ -185,18 +185,11 @@ fn a_heartbeating_worker_is_not_stale_for_the_time_no_supervisor_listened() {
         "w".into(),
         sh_assignee("for i in $(seq 1 12); do runwarden heartbeat || exit 7; sleep 0.3; done"),
     );
-    let mut first = config.clone();
-    first.supervisor.shutdown = ShutdownMode::Leave;
-    let mut sup = Supervisor::start(first).expect("start the first incarnation");
-    let task = add(&sup, task_for("beating through a restart", "w"));
-    let (pid, fp) =
-        worker_identity(&sup.wait_event(task, "worker_spawned", SETTLE)).expect("worker identity");
-    let worker = WorkerGuard::pin(pid, &fp);
-    sup.wait_event(task, "heartbeat", SETTLE);
-    sup.shutdown();
-    // Down longer than stale_after since the last beat it heard.
+    let (task, worker) = leave_one_worker(&td, &config);
+    // Down longer than stale_after since the last beat it heard (or its start).
     let mut db = Db::new(td.db_path());
-    let last = db.runs(task)[0].heartbeat_at.expect("a heartbeat recorded");
+    let run = db.runs(task)[0].clone();
+    let last = run.heartbeat_at.unwrap_or(run.started_at);
     assert!(
         wait_until(SETTLE, || now()
             > last + stale_after.as_millis() as i64 + 300),

@@ -42,29 +42,62 @@ fn append(path: &Path, text: &str) {
         .unwrap_or_else(|e| panic!("append to {}: {e}", path.display()));
 }
 
-/// Rotates `log` while the follower is stopped and writes more than the follower had read, so
-/// that the follower next sees a log longer than its offset: only the rotation marker can tell
-/// it to start over. Then checks it printed the new log from its first line.
-fn rotate_under(follower: &ChildGuard, rx: &mpsc::Receiver<String>, log: &Path) {
+/// Runs `f` while `follower` is stopped (SIGSTOP … SIGCONT): what `f` does to the log happens
+/// between two of its looks.
+fn while_stopped<T>(follower: &ChildGuard, f: impl FnOnce() -> T) -> T {
     follower
         .pidfd()
         .signal(Signal::SIGSTOP)
         .expect("stop the follower");
-    // All of it was printed: the follower's offset.
-    let offset = fs::metadata(log).unwrap().len() as usize;
-    let before = log_generation(log);
-    rotate_if_needed(log, 1);
-    assert!(
-        fs::metadata(log).unwrap().len() == 0 && backup_path(log).exists(),
-        "the log was not rotated"
-    );
-    assert_ne!(log_generation(log), before, "a rotation shows");
-    let long = "y".repeat(offset + 10);
-    append(log, &format!("fresh-start\n{long}\n"));
+    let done = f();
     follower
         .pidfd()
         .signal(Signal::SIGCONT)
         .expect("continue the follower");
+    done
+}
+
+/// A follower of the file `logs/<task>.log` (with `--config` and no supervisor: the file
+/// itself), which has printed the log's first two lines. The directory goes with the first.
+fn file_follower(
+    task: u32,
+) -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    ChildGuard,
+    mpsc::Receiver<String>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    fs::write(&config, "[supervisor]\ndata_dir = \"data\"\n").unwrap();
+    let logs = dir.path().join("data").join("logs");
+    fs::create_dir_all(&logs).unwrap();
+    let log = logs.join(format!("{task}.log"));
+    append(&log, "old-1\nold-2\n");
+    let cfg = config.to_str().unwrap();
+    let (follower, rx) = stream(&["logs", &task.to_string(), "--follow", "--config", cfg]);
+    assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
+    (dir, log, follower, rx)
+}
+
+/// Rotates `log` while the follower is stopped and writes more than the follower had read, so
+/// that the follower next sees a log longer than its offset: only the rotation marker can tell
+/// it to start over. Then checks it printed the new log from its first line.
+fn rotate_under(follower: &ChildGuard, rx: &mpsc::Receiver<String>, log: &Path) {
+    let long = while_stopped(follower, || {
+        // All of it was printed: the follower's offset.
+        let offset = fs::metadata(log).unwrap().len() as usize;
+        let before = log_generation(log);
+        rotate_if_needed(log, 1);
+        assert!(
+            fs::metadata(log).unwrap().len() == 0 && backup_path(log).exists(),
+            "the log was not rotated"
+        );
+        assert_ne!(log_generation(log), before, "a rotation shows");
+        let long = "y".repeat(offset + 10);
+        append(log, &format!("fresh-start\n{long}\n"));
+        long
+    });
     assert_eq!(
         lines(rx, 2),
         ["fresh-start".to_string(), long],
@@ -74,18 +107,7 @@ fn rotate_under(follower: &ChildGuard, rx: &mpsc::Receiver<String>, log: &Path) 
 
 #[test]
 fn following_the_file_starts_over_after_a_rotation_the_size_cannot_show() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("config.toml");
-    fs::write(&config, "[supervisor]\ndata_dir = \"data\"\n").unwrap();
-    let logs = dir.path().join("data").join("logs");
-    fs::create_dir_all(&logs).unwrap();
-    let log = logs.join("7.log");
-    append(&log, "old-1\nold-2\n");
-
-    // --config and no supervisor: the file itself is followed.
-    let cfg = config.to_str().unwrap();
-    let (follower, rx) = stream(&["logs", "7", "--follow", "--config", cfg]);
-    assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
+    let (_dir, log, follower, rx) = file_follower(7);
     rotate_under(&follower, &rx, &log);
     // And again: a second rotation is told from the first.
     append(&log, "more\n");
@@ -95,30 +117,15 @@ fn following_the_file_starts_over_after_a_rotation_the_size_cannot_show() {
 
 #[test]
 fn following_the_file_prints_what_it_had_not_read_from_the_backup_after_a_rotation() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("config.toml");
-    fs::write(&config, "[supervisor]\ndata_dir = \"data\"\n").unwrap();
-    let logs = dir.path().join("data").join("logs");
-    fs::create_dir_all(&logs).unwrap();
-    let log = logs.join("8.log");
-    append(&log, "old-1\nold-2\n");
-    let cfg = config.to_str().unwrap();
-    let (follower, rx) = stream(&["logs", "8", "--follow", "--config", cfg]);
-    assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
+    let (_dir, log, follower, rx) = file_follower(8);
     // Written, then rotated away before the follower looked again: the backup holds the old
     // log's last 20 bytes, which include both lines it had not read.
-    follower
-        .pidfd()
-        .signal(Signal::SIGSTOP)
-        .expect("stop the follower");
-    append(&log, "unread-1\nunread-2\n");
-    rotate_if_needed(&log, 20);
-    assert_eq!(fs::metadata(&log).unwrap().len(), 0, "the log was rotated");
-    append(&log, "fresh-1\n");
-    follower
-        .pidfd()
-        .signal(Signal::SIGCONT)
-        .expect("continue the follower");
+    while_stopped(&follower, || {
+        append(&log, "unread-1\nunread-2\n");
+        rotate_if_needed(&log, 20);
+        assert_eq!(fs::metadata(&log).unwrap().len(), 0, "the log was rotated");
+        append(&log, "fresh-1\n");
+    });
     assert_eq!(
         lines(&rx, 3),
         ["unread-1", "unread-2", "fresh-1"],
@@ -128,32 +135,17 @@ fn following_the_file_prints_what_it_had_not_read_from_the_backup_after_a_rotati
 
 #[test]
 fn a_follower_that_missed_two_rotations_prints_the_last_backup_whole() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("config.toml");
-    fs::write(&config, "[supervisor]\ndata_dir = \"data\"\n").unwrap();
-    let logs = dir.path().join("data").join("logs");
-    fs::create_dir_all(&logs).unwrap();
-    let log = logs.join("9.log");
-    append(&log, "old-1\nold-2\n");
-    let cfg = config.to_str().unwrap();
-    let (follower, rx) = stream(&["logs", "9", "--follow", "--config", cfg]);
-    assert_eq!(lines(&rx, 2), ["old-1", "old-2"]);
-    follower
-        .pidfd()
-        .signal(Signal::SIGSTOP)
-        .expect("stop the follower");
+    let (_dir, log, follower, rx) = file_follower(9);
     // Two rotations while it is stopped: its offset (12) means nothing in the second backup,
     // which starts at 0 of the log between the two.
-    append(&log, "lost-1\n");
-    rotate_if_needed(&log, 19);
-    append(&log, "kept-1\n");
-    rotate_if_needed(&log, 7);
-    assert_eq!(fs::read_to_string(backup_path(&log)).unwrap(), "kept-1\n");
-    append(&log, "fresh-1\n");
-    follower
-        .pidfd()
-        .signal(Signal::SIGCONT)
-        .expect("continue the follower");
+    while_stopped(&follower, || {
+        append(&log, "lost-1\n");
+        rotate_if_needed(&log, 19);
+        append(&log, "kept-1\n");
+        rotate_if_needed(&log, 7);
+        assert_eq!(fs::read_to_string(backup_path(&log)).unwrap(), "kept-1\n");
+        append(&log, "fresh-1\n");
+    });
     assert_eq!(lines(&rx, 2), ["kept-1", "fresh-1"]);
 }
 
@@ -191,17 +183,11 @@ fn following_through_the_socket_starts_over_after_a_rotation_too() {
     assert_eq!(lines(&rx, 1), ["more"]);
     rotate_under(&follower, &rx, &log);
     // What it had not read when the log rotated comes from the backup, through the socket too.
-    follower
-        .pidfd()
-        .signal(Signal::SIGSTOP)
-        .expect("stop the follower");
-    append(&log, "unread-1\nunread-2\n");
-    rotate_if_needed(&log, 18);
-    append(&log, "fresh-2\n");
-    follower
-        .pidfd()
-        .signal(Signal::SIGCONT)
-        .expect("continue the follower");
+    while_stopped(&follower, || {
+        append(&log, "unread-1\nunread-2\n");
+        rotate_if_needed(&log, 18);
+        append(&log, "fresh-2\n");
+    });
     assert_eq!(lines(&rx, 3), ["unread-1", "unread-2", "fresh-2"]);
 }
 

@@ -161,10 +161,6 @@ pub struct WorkerActor {
     /// The exit is recorded; the actor finishes once no tree-end is running (the reaper and
     /// the dispatcher keep treating the run as owned until then).
     exit_done: bool,
-    /// Set while the leader's exit waits to be recorded (the store refused it: a full disk):
-    /// shared with the dispatcher, whose stale check must not close the run meanwhile — the
-    /// worker is gone, its silence is no staleness, and its exit will close the run.
-    exit_pending: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl WorkerActor {
@@ -217,7 +213,6 @@ impl WorkerActor {
             spawned_at: None,
             log_start: spawn::LogStart::default(),
             exit_done: false,
-            exit_pending: Default::default(),
         }
     }
 
@@ -272,11 +267,6 @@ impl WorkerActor {
     pub fn with_claim_on_close(mut self, params: ClaimParams) -> Self {
         self.claim_on_close = Some(params);
         self
-    }
-
-    /// Set while this worker's exit waits to be recorded (see the field).
-    pub(super) fn exit_pending(&self) -> Arc<std::sync::atomic::AtomicBool> {
-        self.exit_pending.clone()
     }
 
     fn run_id(&self) -> RunId {
@@ -447,7 +437,7 @@ impl WorkerActor {
             self.end_tree(pidfd.clone(), true, ctx);
         }
         let store = self.store.clone();
-        let pending = self.exit_pending.clone();
+        let (dispatcher, run_id) = (self.dispatcher.clone(), self.run_id());
         let ctx_in = outcome::ExitContext {
             run_id: self.run_id(),
             task_id: self.task_id(),
@@ -478,7 +468,9 @@ impl WorkerActor {
                             || (e.code != "unavailable" && attempt < EXIT_RECORD_RETRIES) =>
                     {
                         attempt += 1;
-                        pending.store(true, std::sync::atomic::Ordering::Release);
+                        if attempt == 1 {
+                            dispatcher.do_send(super::dispatcher::ExitPending { run_id });
+                        }
                         // Said at the first refusal, then about once a minute.
                         if attempt == 1 || attempt.is_multiple_of(6) {
                             tracing::warn!(run_id = ctx_in.run_id, error = %e, attempt, "worker: exit not recorded; retrying");

@@ -139,44 +139,35 @@ impl Reconnects {
         } else {
             self.delay = Self::FIRST;
         }
-        reconnect(cli, lost, deadline, self.delay)
-    }
-}
-
-/// [`Reconnects::reconnect`], its first pause `delay`.
-fn reconnect(
-    cli: &Cli,
-    lost: &ClientError,
-    deadline: Option<Instant>,
-    mut delay: Duration,
-) -> Result<Option<Client>, CliError> {
-    let path = super::socket_path(cli)?;
-    let timeout = super::reply_timeout()?;
-    let wait = super::connect_wait()?;
-    eprintln!(
-        "runwarden: lost the supervisor ({lost}); reconnecting for up to {}",
-        humantime::format_duration(wait)
-    );
-    let give_up = crate::deadline_after(wait);
-    loop {
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Ok(None);
-        }
-        match super::try_connect(&path, timeout) {
-            Ok(client) => return Ok(Some(client)),
-            Err(e) if super::is_passing(&e) && Instant::now() < give_up => {
-                let until = deadline.map_or(give_up, |d| d.min(give_up));
-                std::thread::sleep(delay.min(until.saturating_duration_since(Instant::now())));
-                delay = (delay * 2).min(Reconnects::MOST);
+        let path = super::socket_path(cli)?;
+        let timeout = super::reply_timeout()?;
+        let wait = super::connect_wait()?;
+        eprintln!(
+            "runwarden: lost the supervisor ({lost}); reconnecting for up to {}",
+            humantime::format_duration(wait)
+        );
+        let give_up = crate::deadline_after(wait);
+        let mut delay = self.delay;
+        loop {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(None);
             }
-            Err(e) => {
-                return Err(CliError {
-                    message: format!(
-                        "lost the supervisor and could not reach it again within {}: {e}",
-                        humantime::format_duration(wait)
-                    ),
-                    code: EXIT_LOST,
-                });
+            match super::try_connect(&path, timeout) {
+                Ok(client) => return Ok(Some(client)),
+                Err(e) if super::is_passing(&e) && Instant::now() < give_up => {
+                    let until = deadline.map_or(give_up, |d| d.min(give_up));
+                    std::thread::sleep(delay.min(until.saturating_duration_since(Instant::now())));
+                    delay = (delay * 2).min(Self::MOST);
+                }
+                Err(e) => {
+                    return Err(CliError {
+                        message: format!(
+                            "lost the supervisor and could not reach it again within {}: {e}",
+                            humantime::format_duration(wait)
+                        ),
+                        code: EXIT_LOST,
+                    });
+                }
             }
         }
     }

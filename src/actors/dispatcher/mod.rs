@@ -94,6 +94,24 @@ pub struct EvidenceAfterClose {
     pub ended_at: board::Millis,
 }
 
+/// A worker's leader has exited and the store refused to record it (a full disk): it will be
+/// recorded when it can. Meanwhile the run is not judged stale — the worker is gone, its
+/// silence is no staleness, and its exit will close the run.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct ExitPending {
+    pub run_id: RunId,
+}
+
+impl Handler<ExitPending> for DispatcherActor {
+    type Result = ();
+    fn handle(&mut self, m: ExitPending, _: &mut Self::Context) {
+        if let Some(w) = self.workers.get_mut(&m.run_id) {
+            w.exit_pending = true;
+        }
+    }
+}
+
 impl Handler<EvidenceAfterClose> for DispatcherActor {
     type Result = ();
     fn handle(&mut self, m: EvidenceAfterClose, _: &mut Self::Context) {
@@ -182,8 +200,8 @@ struct Worker {
     exit_seen: bool,
     /// The run's token: descendants carrying it belong to this live run.
     token: String,
-    /// Its leader's exit waits to be recorded (see `WorkerActor::exit_pending`).
-    exit_pending: Arc<std::sync::atomic::AtomicBool>,
+    /// Its leader's exit waits to be recorded ([`ExitPending`]).
+    exit_pending: bool,
 }
 
 /// The actor.
@@ -390,7 +408,6 @@ impl DispatcherActor {
         pid: Option<i32>,
         token: String,
     ) {
-        let exit_pending = worker.exit_pending();
         let addr = worker.with_claim_on_close(self.claim_params()).start();
         self.workers.insert(
             run_id,
@@ -400,7 +417,7 @@ impl DispatcherActor {
                 pid,
                 exit_seen: false,
                 token,
-                exit_pending,
+                exit_pending: false,
             },
         );
     }

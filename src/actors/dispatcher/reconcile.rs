@@ -186,10 +186,7 @@ impl DispatcherActor {
                 if !run.is_open() {
                     continue; // Closed, its start still ours to settle.
                 }
-                let exit_pending = self
-                    .workers
-                    .get(&run.id)
-                    .is_some_and(|w| w.exit_pending.load(std::sync::atomic::Ordering::Acquire));
+                let exit_pending = self.workers.get(&run.id).is_some_and(|w| w.exit_pending);
                 if !stale_after.is_zero() && !exit_pending {
                     let last = last_heard(&run, self.watching_since);
                     if now - last > stale_after.as_millis() as i64 {
