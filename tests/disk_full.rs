@@ -178,7 +178,7 @@ fn a_full_disk_refuses_writes_cleanly_and_the_supervisor_recovers() {
 
 #[test]
 fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     let dir = tempfile::tempdir().expect("temp dir");
     let data = dir.path().join("data");
     // Outside the small file system: the test's signal to the worker.
@@ -218,12 +218,12 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
     fs::write(&gate, "").expect("open the gate");
     // Longer than the few attempts any other refusal gets (1 + 2 + 3 + 4 + 5 s): the exit is
     // still waiting to be recorded, the run open, nothing closed as a crash.
-    let full_since = Instant::now();
-    while full_since.elapsed() < Duration::from_secs(17) {
-        std::thread::sleep(Duration::from_millis(500));
-        let r = show(&mut c);
-        assert_eq!(r["result"]["status"], "running", "{r}");
-    }
+    let mut seen = serde_json::Value::Null;
+    let left_running = common::proc_guard::wait_until(Duration::from_secs(17), || {
+        seen = show(&mut c);
+        seen["result"]["status"] != "running"
+    });
+    assert!(!left_running, "the run did not stay open: {seen}");
     fs::remove_file(&filler).expect("remove the filler");
     let mut last = serde_json::Value::Null;
     assert!(
