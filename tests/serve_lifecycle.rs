@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::proc_guard::wait_until;
 use common::runtime::{
-    SETTLE, Serve, TestDir, WorkerGuard, add_to_board, runs_of, task_event, wait_worker_in_board,
+    SETTLE, Serve, TestDir, WorkerGuard, add_to_board, poll_board, runs_of, task_event,
+    wait_worker_in_board,
 };
 use runwarden::board::{Board, RunOutcome, TaskStatus};
 use runwarden::config::Config;
@@ -104,6 +105,50 @@ fn sigint_stops_serve_cleanly() {
     let socket_existed = td.socket_path().exists();
     serve.stop_cleanly(Signal::SIGINT);
     assert_cleaned_up(&td, socket_existed);
+}
+
+#[test]
+fn a_clean_stop_leaves_the_whole_board_in_board_db() {
+    // A backup that copies only board.db after a clean stop must get the whole board, not
+    // an empty schema whose rows are still in board.db-wal (the store's read-only
+    // connections, closed after its writer, cannot checkpoint).
+    let td = TestDir::new();
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        "[assignees.quick]\ncommand = [\"/bin/true\"]\n",
+    );
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    let ids: Vec<_> = (0..3)
+        .map(|_| add_to_board(&td.db_path(), "quick"))
+        .collect();
+    poll_board(&td.db_path(), "the three tasks to be done", |b| {
+        let done = ids.iter().all(|&id| {
+            b.read(|tx| tx.get_task(id))
+                .is_ok_and(|t| t.status == TaskStatus::Done)
+        });
+        done.then_some(())
+    });
+    serve.stop_cleanly(Signal::SIGTERM);
+
+    let wal = td.data_dir().join("board.db-wal");
+    let wal_len = fs::metadata(&wal).map_or(0, |m| m.len());
+    assert_eq!(wal_len, 0, "{} still holds {wal_len} bytes", wal.display());
+    let copy = td.path().join("copy");
+    fs::create_dir(&copy).unwrap();
+    fs::copy(td.db_path(), copy.join("board.db")).unwrap();
+    let mut alone = Board::open(&copy.join("board.db")).expect("open the copied board.db");
+    for id in ids {
+        let task = alone
+            .read(|tx| tx.get_task(id))
+            .unwrap_or_else(|e| panic!("task {id} missing from the copied board.db: {e}"));
+        assert_eq!(task.status, TaskStatus::Done, "task {id} in the copy");
+        assert_eq!(
+            runs_of(&mut alone, id).len(),
+            1,
+            "task {id}'s run in the copy"
+        );
+    }
 }
 
 #[test]

@@ -496,6 +496,16 @@ fn writer_loop(
             }
         }
     }
+    // A stop leaves the whole board in `board.db` (see `Board::checkpoint`).
+    match board.checkpoint() {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!(
+            "store: a reader kept part of the write-ahead log at the stop; board.db needs its board.db-wal beside it until the next start"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "store: cannot checkpoint the write-ahead log at the stop; board.db needs its board.db-wal beside it until the next start")
+        }
+    }
     tracing::debug!("store: queue closed, writer exits");
 }
 

@@ -342,6 +342,19 @@ impl Board {
             .query_row("PRAGMA integrity_check", [], |r| r.get(0))?)
     }
 
+    /// Copies everything the write-ahead log holds into the database file and empties the
+    /// log (`PRAGMA wal_checkpoint(TRUNCATE)`), so that `board.db` alone is the whole board —
+    /// what a backup that copies only that file gets. SQLite does this itself when the last
+    /// connection closes, but a read-only connection cannot, and the store's readers may
+    /// outlive its writer. `Ok(false)`: a reader kept part of the log (still in use) and the
+    /// file is not complete yet.
+    pub fn checkpoint(&self) -> Result<bool> {
+        let busy: i64 = self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+        Ok(busy == 0)
+    }
+
     /// Runs a raw statement. For tests that must forge states no transition produces (a legacy
     /// row from before fingerprints existed, a corrupted value); never used by runwarden itself.
     #[doc(hidden)]
