@@ -677,3 +677,38 @@ fn out_of_range_task_limits_are_refused_naming_the_field() {
     }
     d.assert_healthy();
 }
+
+#[test]
+fn a_page_of_nothing_is_refused_naming_the_field() {
+    // An `events` page of 0 would say `more` without moving on (a pager would ask for ever),
+    // and a `read_log` piece of 0 bytes would look like the log's end.
+    let mut d = daemon();
+    let mut c = d.raw();
+    c.hello();
+    let r = c.call(r#"{"id":1,"op":"add_task","title":"t"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    let task = r["result"]["id"].as_i64().expect("task id");
+    for (i, (line, field)) in [
+        (r#"{"id":2,"op":"events","limit":0}"#.to_string(), "limit"),
+        (
+            format!(r#"{{"id":3,"op":"read_log","task":{task},"max_bytes":0}}"#),
+            "max_bytes",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = c.call(&line);
+        assert_eq!(error_code(&r), "bad_request", "request {i}: {r}");
+        assert!(message(&r).contains(field), "request {i}: {r}");
+    }
+    // One is a page.
+    let r = c.call(r#"{"id":4,"op":"events","limit":1}"#);
+    assert_eq!(
+        r["result"]["events"].as_array().map(Vec::len),
+        Some(1),
+        "{r}"
+    );
+    assert_eq!(r["result"]["more"], true, "{r}");
+    d.assert_healthy();
+}

@@ -412,7 +412,15 @@ fn events_page(
     id: Option<RequestId>,
     e: Events,
 ) -> LocalBoxFuture<'static, Outcome> {
-    let limit = e.limit.unwrap_or(DEFAULT_EVENTS_PAGE).clamp(1, MAX_PAGE);
+    // A page of none would answer `more: true` without moving `last_id`: a pager would ask
+    // again for ever.
+    if e.limit == Some(0) {
+        return ready(respond::<()>(
+            id,
+            Err(OpError::bad_request("events: limit must be at least 1")),
+        ));
+    }
+    let limit = e.limit.unwrap_or(DEFAULT_EVENTS_PAGE).min(MAX_PAGE);
     read(shared, id, move |tx| {
         if let Some(task) = e.task {
             tx.task_status(task)?; // not_found for a task that does not exist
@@ -433,6 +441,15 @@ fn read_log(
     id: Option<RequestId>,
     r: ReadLog,
 ) -> LocalBoxFuture<'static, Outcome> {
+    // An empty piece would look like the log's end (`next == offset`).
+    if r.max_bytes == Some(0) {
+        return ready(respond::<()>(
+            id,
+            Err(OpError::bad_request(
+                "read_log: max_bytes must be at least 1",
+            )),
+        ));
+    }
     let path = shared
         .services
         .config
@@ -440,7 +457,7 @@ fn read_log(
         .join(format!("{}.log", r.task));
     let (offset, max) = (
         r.offset.unwrap_or(0),
-        r.max_bytes.unwrap_or(MAX_LOG_CHUNK).clamp(1, MAX_LOG_CHUNK),
+        r.max_bytes.unwrap_or(MAX_LOG_CHUNK).min(MAX_LOG_CHUNK),
     );
     let backup = r.backup;
     async move {
