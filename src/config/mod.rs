@@ -484,6 +484,16 @@ impl Config {
         self.assignees.get(name)
     }
 
+    /// Of `waiting` (tasks waiting per assignee name), those for assignees this config does
+    /// not have: they never run until it has them again.
+    pub fn unconfigured(
+        &self,
+        mut waiting: std::collections::BTreeMap<String, i64>,
+    ) -> std::collections::BTreeMap<String, i64> {
+        waiting.retain(|name, _| self.assignee(name).is_none());
+        waiting
+    }
+
     /// Which config file to use: the explicit flag, else `$RUNWARDEN_CONFIG` (if non-empty),
     /// else `./config.toml`.
     pub fn resolve_path(flag: Option<&Path>) -> PathBuf {

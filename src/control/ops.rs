@@ -620,8 +620,7 @@ fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static,
             })
             .await
             .map_err(OpError::from);
-        let result = counts.map(|(counts, last_event_id, mut waiting)| {
-            waiting.retain(|name, _| services.config.assignee(name).is_none());
+        let result = counts.map(|(counts, last_event_id, waiting)| {
             let uptime = services.started_at.elapsed();
             StatusReply {
                 pid: std::process::id(),
@@ -641,7 +640,7 @@ fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static,
                     })
                     .collect(),
                 counts,
-                unconfigured_assignees: waiting,
+                unconfigured_assignees: services.config.unconfigured(waiting),
                 last_event_id,
             }
         });

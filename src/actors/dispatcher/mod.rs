@@ -715,10 +715,8 @@ impl DispatcherActor {
             async move {
                 match store.read(|tx| tx.waiting_by_assignee()).await {
                     Ok(waiting) => {
-                        for (name, tasks) in waiting {
-                            if config.assignee(&name).is_none() {
-                                tracing::warn!(assignee = %name, tasks, "tasks wait for an assignee the config does not have: they run once it is configured again (or archive them)");
-                            }
+                        for (name, tasks) in config.unconfigured(waiting) {
+                            tracing::warn!(assignee = %name, tasks, "tasks wait for an assignee the config does not have: they run once it is configured again (or archive them)");
                         }
                     }
                     Err(e) => tracing::debug!(error = %e, "cannot count waiting tasks by assignee"),
