@@ -255,6 +255,13 @@ fn terminate_alone(pidfd: &PidFd, deadline: Instant) -> Result<Ended, ProcessErr
     if gone(pidfd.signal(Signal::SIGKILL))? {
         return Ok(Ended::Sigterm);
     }
+    // "Ended" must mean gone, as for a group (see `terminate_group`).
+    if !pidfd.wait_exit(AFTER_SIGKILL)? {
+        return Err(ProcessError::SurvivedSigkill {
+            pid: pidfd.pid(),
+            after: AFTER_SIGKILL,
+        });
+    }
     Ok(Ended::Sigkill)
 }
 
@@ -420,6 +427,34 @@ mod tests {
         let _ = pidfd.signal(Signal::SIGKILL);
         child.wait().unwrap();
         assert_eq!(ended.unwrap(), Ended::Sigterm);
+    }
+
+    #[test]
+    fn a_process_that_leads_no_group_and_ignores_sigterm_is_gone_when_sigkill_is_reported() {
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "trap '' TERM; exec sleep 30"])
+            .spawn()
+            .unwrap();
+        let pidfd = PidFd::open(child.id() as Pid).unwrap();
+        // Its trap is set once its status shows SIGTERM ignored (SigIgn, bit 15).
+        let ignores_term = || {
+            std::fs::read_to_string(format!("/proc/{}/status", child.id())).is_ok_and(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("SigIgn:"))
+                    .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+                    .is_some_and(|m| m & (1 << 14) != 0)
+            })
+        };
+        assert!(wait_until(Duration::from_secs(10), ignores_term));
+        let ended = terminate_group(&pidfd, Duration::from_millis(200));
+        let gone = pidfd.wait_exit(Duration::ZERO);
+        let _ = pidfd.signal(Signal::SIGKILL);
+        child.wait().unwrap();
+        assert_eq!(ended.unwrap(), Ended::Sigkill);
+        assert!(
+            gone.unwrap(),
+            "reported ended by SIGKILL while still running"
+        );
     }
 
     #[test]
