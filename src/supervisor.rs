@@ -56,7 +56,10 @@ pub struct Services {
     pub store: Store,
     pub dispatcher: Addr<DispatcherActor>,
     pub reaper: Addr<ReaperActor>,
+    /// When this supervisor started: for its uptime (monotonic)…
     pub started_at: Instant,
+    /// …and as a wall-clock time (taken once, so every `status` says the same).
+    pub started_at_ms: crate::board::Millis,
 }
 
 impl Services {
@@ -249,6 +252,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         dispatcher,
         reaper,
         started_at: Instant::now(),
+        started_at_ms: crate::board::now_millis(),
     };
     let control = socket
         .serve(services.clone(), first_reconcile)

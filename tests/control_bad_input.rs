@@ -702,13 +702,77 @@ fn a_page_of_nothing_is_refused_naming_the_field() {
         assert_eq!(error_code(&r), "bad_request", "request {i}: {r}");
         assert!(message(&r).contains(field), "request {i}: {r}");
     }
-    // One is a page.
-    let r = c.call(r#"{"id":4,"op":"events","limit":1}"#);
+    // One is a page (with a second event after it, there is more).
+    let r = c.call(r#"{"id":4,"op":"add_task","title":"u"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    let r = c.call(r#"{"id":5,"op":"events","limit":1}"#);
     assert_eq!(
         r["result"]["events"].as_array().map(Vec::len),
         Some(1),
         "{r}"
     );
     assert_eq!(r["result"]["more"], true, "{r}");
+    d.assert_healthy();
+}
+
+#[test]
+fn a_field_given_twice_or_a_malformed_value_is_refused_saying_what_is_wrong() {
+    let mut d = daemon();
+    let mut c = d.raw();
+    // The version is "MAJOR.MINOR", nothing looser.
+    for (i, v) in ["1", "1.x", "1.0.5", " 1.0"].into_iter().enumerate() {
+        let r = c.call(&format!(r#"{{"id":{i},"op":"hello","version":"{v}"}}"#));
+        assert_eq!(error_code(&r), "bad_request", "version {v:?}: {r}");
+        assert!(message(&r).contains("MAJOR.MINOR"), "{r}");
+    }
+    c.hello();
+    // A second `op` (or `id`) is not "the last one wins".
+    for line in [
+        r#"{"id":10,"op":"status","op":"list_tasks"}"#,
+        r#"{"id":10,"op":"status","id":11}"#,
+    ] {
+        let r = c.call(line);
+        assert_eq!(error_code(&r), "bad_request", "{line}: {r}");
+        assert!(message(&r).contains("duplicate field"), "{line}: {r}");
+    }
+    // An id that is not one says why.
+    for (line, why) in [
+        (r#"{"id":18446744073709551616,"op":"status"}"#, "above 2^64"),
+        (r#"{"id":1.5,"op":"status"}"#, "fraction"),
+        (r#"{"id":1.0,"op":"status"}"#, "decimal point or exponent"),
+        (r#"{"id":-1e30,"op":"status"}"#, "negative"),
+    ] {
+        let r = c.call(line);
+        assert_eq!(error_code(&r), "bad_request", "{line}: {r}");
+        assert!(message(&r).contains(why), "{line}: {r}");
+    }
+    // add_task: a missing title is named as missing; an assignee over the name limit is
+    // refused for its length, not echoed back; an empty key is not a key.
+    let r = c.call(r#"{"id":20,"op":"add_task"}"#);
+    assert_eq!(error_code(&r), "bad_request", "{r}");
+    assert!(message(&r).contains("missing field `title`"), "{r}");
+    let long = "a".repeat(200_000);
+    let r = c.call(&format!(
+        r#"{{"id":21,"op":"add_task","title":"t","assignee":"{long}"}}"#
+    ));
+    assert_eq!(error_code(&r), "bad_request", "{r}");
+    assert!(
+        message(&r).contains("assignee must be at most 256 bytes"),
+        "{}",
+        message(&r)
+    );
+    assert!(r.to_string().len() < 1000, "the name is not echoed");
+    let r = c.call(r#"{"id":22,"op":"add_task","title":"t","idempotency_key":""}"#);
+    assert_eq!(error_code(&r), "bad_request", "{r}");
+    assert!(message(&r).contains("idempotency_key"), "{r}");
+    // `limit: 0` is refused with `follow` as well.
+    let r = c.call(r#"{"id":23,"op":"events","follow":true,"limit":0}"#);
+    assert_eq!(error_code(&r), "bad_request", "{r}");
+    let r = c.call(r#"{"id":24,"op":"list_tasks"}"#);
+    assert_eq!(
+        r["result"]["tasks"],
+        serde_json::json!([]),
+        "nothing added: {r}"
+    );
     d.assert_healthy();
 }

@@ -121,6 +121,17 @@ fn every_op_answers_with_its_documented_result() {
     assert_eq!(r["result"]["events"].as_array().unwrap().len(), 3);
     assert_eq!(r["result"]["more"], true);
     assert_eq!(r["result"]["last_id"], 3);
+    // `more` means a next page, not a full one: a page that takes the last events says so.
+    let last = c.call(r#"{"id":140,"op":"status"}"#)["result"]["last_event_id"]
+        .as_i64()
+        .unwrap();
+    let r = c.call(&format!(
+        r#"{{"id":141,"op":"events","since":{},"limit":3}}"#,
+        last - 3
+    ));
+    assert_eq!(r["result"]["events"].as_array().unwrap().len(), 3, "{r}");
+    assert_eq!(r["result"]["more"], false, "{r}");
+    assert_eq!(r["result"]["last_id"], last);
     let r = c.call(&format!(
         r#"{{"id":15,"op":"events","since":0,"task":{parent}}}"#
     ));
@@ -164,7 +175,29 @@ fn every_op_answers_with_its_documented_result() {
     );
     let r = c.call(r#"{"id":22,"op":"heartbeat","task":1,"run":1,"token":"x"}"#);
     assert_eq!(error_code(&r), "not_found", "no run 1 exists: {r}");
-    assert_eq!(c.call(r#"{"id":23,"op":"status"}"#)["ok"], true);
+    // The start time is the same in every status (not "now − uptime", off by a millisecond).
+    let started: Vec<_> = (24..29)
+        .map(|i| c.call(&format!(r#"{{"id":{i},"op":"status"}}"#))["result"]["started_at"].clone())
+        .collect();
+    assert!(
+        started.iter().all(|t| *t == started[0] && t.is_i64()),
+        "{started:?}"
+    );
+
+    // A parent named twice is one link, and said once.
+    let r = c.call(&format!(
+        r#"{{"id":30,"op":"add_task","title":"twice","parents":[{parent},{parent}]}}"#
+    ));
+    let twice = r["result"]["id"].as_i64().expect("added");
+    let r = c.call(&format!(
+        r#"{{"id":31,"op":"show_task","task":{twice},"events":1}}"#
+    ));
+    assert_eq!(r["result"]["parents"], serde_json::json!([parent]), "{r}");
+    assert_eq!(
+        r["result"]["events"][0]["payload"]["parents"],
+        serde_json::json!([parent]),
+        "{r}"
+    );
 }
 
 #[test]

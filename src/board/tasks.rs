@@ -13,6 +13,31 @@ pub const MAX_RUNTIME_MS: i64 = 100 * 31_557_600 * 1000;
 /// task list, which bounds the texts it returns) as large as a request.
 pub const MAX_NAME_BYTES: usize = 256;
 
+impl NewTask {
+    /// Its names (`idempotency_key`, `assignee`) within [`MAX_NAME_BYTES`], and a key not
+    /// empty (one empty key would make every keyless-looking add the same task). The error
+    /// names the field, and quotes no name: it could be a megabyte.
+    pub fn check_names(&self) -> std::result::Result<(), String> {
+        for (what, name) in [
+            ("idempotency_key", &self.idempotency_key),
+            ("assignee", &self.assignee),
+        ] {
+            if let Some(name) = name
+                && name.len() > MAX_NAME_BYTES
+            {
+                return Err(format!(
+                    "{what} must be at most {MAX_NAME_BYTES} bytes, not {}",
+                    name.len()
+                ));
+            }
+        }
+        if self.idempotency_key.as_deref() == Some("") {
+            return Err("idempotency_key must not be empty (leave it out for none)".into());
+        }
+        Ok(())
+    }
+}
+
 impl Tx<'_> {
     /// Creates a task: `ready`, or `todo` while any parent is unfinished. With an idempotency key
     /// that already names an open task, returns that task (`existed: true`) and writes nothing.
@@ -36,19 +61,7 @@ impl Tx<'_> {
                 "max_retries must not be negative, not {n}"
             )));
         }
-        for (what, name) in [
-            ("idempotency_key", &new.idempotency_key),
-            ("assignee", &new.assignee),
-        ] {
-            if let Some(name) = name
-                && name.len() > MAX_NAME_BYTES
-            {
-                return Err(BoardError::Invalid(format!(
-                    "{what} must be at most {MAX_NAME_BYTES} bytes, not {}",
-                    name.len()
-                )));
-            }
-        }
+        new.check_names().map_err(BoardError::Invalid)?;
         if let Some(key) = &new.idempotency_key {
             let existing: Option<TaskId> = self
                 .conn
@@ -62,8 +75,12 @@ impl Tx<'_> {
                 return Ok(Created { id, existed: true });
             }
         }
+        // A parent named twice is one link (and said once in the `created` event).
+        let mut parents = new.parents.clone();
+        let mut seen = std::collections::HashSet::new();
+        parents.retain(|p| seen.insert(*p));
         let mut waiting = false;
-        for &parent in &new.parents {
+        for &parent in &parents {
             let status = self.task_status(parent)?;
             waiting |= !status.satisfies_dependency();
         }
@@ -90,7 +107,7 @@ impl Tx<'_> {
                 new.max_retries,
             ])?;
         let id = self.conn.last_insert_rowid();
-        for &parent in &new.parents {
+        for &parent in &parents {
             self.conn
                 .prepare_cached(
                     "INSERT OR IGNORE INTO task_links (parent_id, child_id) VALUES (?1, ?2)",
@@ -106,7 +123,7 @@ impl Tx<'_> {
                 "assignee": new.assignee,
                 "priority": new.priority,
                 "status": status,
-                "parents": new.parents,
+                "parents": parents,
             }),
             now,
         )?;

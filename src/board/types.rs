@@ -210,17 +210,25 @@ pub struct Comment {
     pub at: Millis,
 }
 
-/// What `create_task` needs.
+/// What `create_task` needs. Only the title is required (a request without one is told
+/// that it is missing).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(deny_unknown_fields)]
 pub struct NewTask {
     pub title: String,
+    #[serde(default)]
     pub body: String,
+    #[serde(default)]
     pub assignee: Option<String>,
+    #[serde(default)]
     pub priority: i64,
+    #[serde(default)]
     pub parents: Vec<TaskId>,
+    #[serde(default)]
     pub max_runtime_ms: Option<i64>,
+    #[serde(default)]
     pub max_retries: Option<i64>,
+    #[serde(default)]
     pub idempotency_key: Option<String>,
 }
 

@@ -151,7 +151,7 @@ pub fn block(cli: &Cli, out: Out, args: &BlockArgs) -> Result<(), CliError> {
 pub fn heartbeat(cli: &Cli, out: Out, args: &HeartbeatArgs) -> Result<(), CliError> {
     let Some(w) = WorkerEnv::from_env()? else {
         return Err(CliError::usage(
-            "heartbeat runs inside a worker: RUNWARDEN_RUN_TOKEN, RUNWARDEN_TASK_ID and RUNWARDEN_RUN_ID are not set",
+            "heartbeat runs inside a worker: RUNWARDEN_RUN_TOKEN is not set",
         ));
     };
     let beat = Heartbeat {

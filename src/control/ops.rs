@@ -24,7 +24,7 @@ use super::server::{Role, Shared};
 use crate::actors::reaper::SweepNow;
 use crate::actors::spawn;
 use crate::actors::store::StoreError;
-use crate::board::{self, BoardError, Millis, Run, TaskId, TaskStatus, Tx, now_millis};
+use crate::board::{self, BoardError, Millis, Run, TaskId, TaskStatus, Tx};
 use crate::process::{self, Liveness};
 
 /// Events in a `show_task` reply unless the request says otherwise.
@@ -122,11 +122,13 @@ pub(super) fn start(
             Err(OpError::bad_request("hello is answered by the connection")),
         )),
         Request::AddTask(new) => {
-            if let Err(message) = shared
-                .services
-                .config
-                .check_assignee(new.assignee.as_deref())
-            {
+            // Names first: the assignee check quotes the name.
+            if let Err(message) = new.check_names().and_then(|()| {
+                shared
+                    .services
+                    .config
+                    .check_assignee(new.assignee.as_deref())
+            }) {
                 return ready(respond::<()>(id, Err(OpError::bad_request(message))));
             }
             write(shared, id, move |tx, now| tx.create_task(&new, now))
@@ -171,6 +173,12 @@ pub(super) fn start(
                 })
             })
         }
+        // A page of none would answer `more: true` without moving `last_id`: a pager would ask
+        // again for ever. Refused with `follow` too, where no page is asked for, alike.
+        Request::Events(e) if e.limit == Some(0) => ready(respond::<()>(
+            id,
+            Err(OpError::bad_request("events: limit must be at least 1")),
+        )),
         Request::Events(e) if e.follow => follow::start(shared, id, e),
         Request::Events(e) => events_page(shared, id, e),
         Request::Status(_) => status(shared, id),
@@ -412,23 +420,19 @@ fn events_page(
     id: Option<RequestId>,
     e: Events,
 ) -> LocalBoxFuture<'static, Outcome> {
-    // A page of none would answer `more: true` without moving `last_id`: a pager would ask
-    // again for ever.
-    if e.limit == Some(0) {
-        return ready(respond::<()>(
-            id,
-            Err(OpError::bad_request("events: limit must be at least 1")),
-        ));
-    }
     let limit = e.limit.unwrap_or(DEFAULT_EVENTS_PAGE).min(MAX_PAGE);
     read(shared, id, move |tx| {
         if let Some(task) = e.task {
             tx.task_status(task)?; // not_found for a task that does not exist
         }
-        let (events, cut) = tx.events_since_within(e.task, e.since, limit, MAX_REPLY_TEXT_BYTES)?;
+        // One more than the page: `more` says there is a next page, not that this one is full.
+        let (mut events, cut) =
+            tx.events_since_within(e.task, e.since, limit + 1, MAX_REPLY_TEXT_BYTES)?;
+        let over = events.len() > limit as usize;
+        events.truncate(limit as usize);
         Ok(EventsReply {
             last_id: events.last().map_or(e.since, |ev| ev.id),
-            more: cut || events.len() as u32 == limit,
+            more: cut || over,
             events,
         })
     })
@@ -626,7 +630,7 @@ fn status(shared: &Rc<Shared>, id: Option<RequestId>) -> LocalBoxFuture<'static,
                 pid: std::process::id(),
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 protocol: PROTOCOL_VERSION.to_string(),
-                started_at: now_millis() - uptime.as_millis() as i64,
+                started_at: services.started_at_ms,
                 uptime_ms: uptime.as_millis() as u64,
                 data_dir: services.config.supervisor.data_dir.clone(),
                 logs_dir: services.config.logs_dir(),

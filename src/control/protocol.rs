@@ -491,6 +491,42 @@ pub struct ParseError {
     pub message: String,
 }
 
+/// How [`UniqueKeys`]' error starts.
+const DUPLICATE: &str = "duplicate field";
+
+/// A request's top-level object, its keys unique: a key given twice (`"op"`, `"id"`) is an
+/// error, not silently "the last one wins", as unknown fields are errors.
+struct UniqueKeys(Map<String, Value>);
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Keys;
+        impl<'de> serde::de::Visitor<'de> for Keys {
+            type Value = UniqueKeys;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UniqueKeys, A::Error> {
+                let mut fields = Map::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    let value: Value = map.next_value()?;
+                    if fields.contains_key(&key) {
+                        return Err(serde::de::Error::custom(format!(
+                            "{DUPLICATE} `{key}`: a request gives each field once"
+                        )));
+                    }
+                    fields.insert(key, value);
+                }
+                Ok(UniqueKeys(fields))
+            }
+        }
+        d.deserialize_map(Keys)
+    }
+}
+
 /// Parses one request line (without its newline).
 pub fn parse_request(line: &[u8]) -> Result<(RequestId, Request), ParseError> {
     let fail = |id: Option<RequestId>, message: String| ParseError { id, message };
@@ -503,13 +539,18 @@ pub fn parse_request(line: &[u8]) -> Result<(RequestId, Request), ParseError> {
             ),
         )
     })?;
-    let value: Value =
-        serde_json::from_str(text).map_err(|e| fail(None, format!("malformed JSON: {e}")))?;
-    let Value::Object(mut fields) = value else {
-        return Err(fail(
-            None,
-            format!("a request must be a JSON object, not {}", kind_of(&value)),
-        ));
+    let mut fields = match serde_json::from_str::<UniqueKeys>(text) {
+        Ok(UniqueKeys(fields)) => fields,
+        Err(e) if e.to_string().starts_with(DUPLICATE) => return Err(fail(None, e.to_string())),
+        // Not an object, or not JSON: parsed again for a plainer message (errors only).
+        Err(_) => {
+            let value: Value = serde_json::from_str(text)
+                .map_err(|e| fail(None, format!("malformed JSON: {e}")))?;
+            return Err(fail(
+                None,
+                format!("a request must be a JSON object, not {}", kind_of(&value)),
+            ));
+        }
     };
     let id = match fields.remove("id") {
         None | Some(Value::Null) => return Err(fail(None, "missing field `id`".into())),
@@ -520,8 +561,16 @@ pub fn parse_request(line: &[u8]) -> Result<(RequestId, Request), ParseError> {
                     "field `id` must be a non-negative integer or a string, not {}",
                     match &v {
                         Value::Number(n) if n.is_i64() => "a negative number",
-                        Value::Number(n) if n.is_f64() => "a fraction",
-                        Value::Number(_) => "a number above 2^64 - 1",
+                        Value::Number(n) if n.as_f64().is_some_and(|f| f < 0.0) => {
+                            "a negative number"
+                        }
+                        Value::Number(n) if n.as_f64().is_some_and(|f| f.fract() != 0.0) => {
+                            "a fraction"
+                        }
+                        Value::Number(n) if n.as_f64().is_some_and(|f| f >= u64::MAX as f64) => {
+                            "a number above 2^64 - 1"
+                        }
+                        Value::Number(_) => "a number written with a decimal point or exponent",
                         other => kind_of(other),
                     }
                 ),
@@ -568,9 +617,15 @@ fn kind_of(v: &Value) -> &'static str {
     }
 }
 
-/// Splits `"1.0"` into its major number.
+/// The major number of a `"MAJOR.MINOR"` version (both decimal numbers); `None` for anything
+/// else (`"1"`, `"1.x"`, `"1.0.5"`).
 pub fn major_version(version: &str) -> Option<u64> {
-    version.split('.').next()?.trim().parse().ok()
+    let (major, minor) = version.split_once('.')?;
+    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !number(major) || !number(minor) {
+        return None;
+    }
+    major.parse().ok()
 }
 
 /// `hello` succeeded.
@@ -877,7 +932,10 @@ mod tests {
     #[test]
     fn major_version_parses() {
         assert_eq!(major_version("1.0"), Some(1));
-        assert_eq!(major_version("2"), Some(2));
+        assert_eq!(major_version("2.7"), Some(2));
+        for bad in ["2", "1.x", "1.0.5", " 1.0", "+1.0", "1.", ".1", ""] {
+            assert_eq!(major_version(bad), None, "{bad:?}");
+        }
         assert_eq!(major_version("x.1"), None);
     }
 }
