@@ -247,7 +247,9 @@ fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
     let carriers = alive(&token);
     assert!(carriers.len() >= 3, "{carriers:?}");
 
-    let signalled = end_token_carriers(&token, SETTLE).expect("every carrier ended");
+    let signalled = end_token_carriers(&token, SETTLE)
+        .expect("every carrier ended")
+        .count;
 
     assert!(signalled >= carriers.len(), "{signalled} < {carriers:?}");
     for (p, fp) in &carriers {
@@ -267,9 +269,11 @@ fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
 fn end_token_carriers_with_an_empty_or_unknown_token_signals_nothing() {
     use runwarden::process::descendants::end_token_carriers;
     assert_eq!(
-        end_token_carriers("", Duration::from_millis(10)).unwrap(),
+        end_token_carriers("", Duration::from_millis(10))
+            .unwrap()
+            .count,
         0
     );
     let token = format!("{:032x}", rand::random::<u128>());
-    assert_eq!(end_token_carriers(&token, Duration::MAX).unwrap(), 0);
+    assert_eq!(end_token_carriers(&token, Duration::MAX).unwrap().count, 0);
 }

@@ -517,13 +517,13 @@ impl WorkerActor {
         self.tree_ending = true;
         // The signal the worker waits for goes out now, from this thread, when that is one
         // syscall: the thread below (the /proc scan for escaped descendants, the wait,
-        // SIGKILL) may start late when many trees end at once. It repeats the SIGTERM; harmless.
-        pidfd.signal_group_at_once(process::Signal::SIGTERM);
+        // SIGKILL) may start late when many trees end at once. It is not sent again there.
+        let signalled = pidfd.signal_group_at_once(process::Signal::SIGTERM);
         let (run_id, token, kill) = (self.run_id(), self.spec.token.clone(), self.kill_timeout);
         let pid = pidfd.pid();
         async move {
             let end = super::proc_thread::run("tree end", move || {
-                descendants::terminate_tree(&pidfd, &token, kill)
+                descendants::terminate_tree(&pidfd, &token, kill, signalled)
             });
             match end.await {
                 Some(Ok(how)) => Some(how.as_str()),

@@ -138,7 +138,11 @@ pub fn reap_one(
         && !matches!(verdict, ReapVerdict::Unknown(_))
     {
         // One that survives SIGKILL fails the row: its evidence stays, the next sweep retries.
-        process::descendants::end_token_carriers(token, kill_timeout)?;
+        let carriers = process::descendants::end_token_carriers(token, kill_timeout)?;
+        // The tree needed SIGKILL if any of it did.
+        if carriers.sigkill && matches!(verdict, ReapVerdict::Reaped(Ended::Sigterm)) {
+            return Ok(ReapVerdict::Reaped(Ended::Sigkill));
+        }
     }
     Ok(verdict)
 }

@@ -511,9 +511,21 @@ fn pidfds_by_needle(needle: &[u8]) -> Result<Vec<super::PidFd>, ProcessError> {
 pub fn end_token_carriers(
     token: &str,
     kill_timeout: Duration,
-) -> Result<usize, super::ProcessError> {
+) -> Result<CarriersEnded, super::ProcessError> {
     let deadline = super::deadline_after(kill_timeout);
-    end_carriers(pidfds_by_token(token)?, &needle(token), deadline)
+    let carriers = pidfds_by_token(token)?;
+    signal_carriers_once(&carriers, super::Signal::SIGTERM, None);
+    end_carriers(carriers, &needle(token), deadline)
+}
+
+/// What [`end_token_carriers`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CarriersEnded {
+    /// How many carriers were signalled.
+    pub count: usize,
+    /// Whether any of them had to be SIGKILLed (still there at the deadline, or found only by
+    /// the scan after it).
+    pub sigkill: bool,
 }
 
 /// [`end_token_carriers`] for the processes of hooks started by a supervisor incarnation whose
@@ -525,19 +537,45 @@ pub fn end_hook_carriers(token: &str, kill_timeout: Duration) -> Result<usize, P
     }
     let needle = hook_needle(token);
     let deadline = super::deadline_after(kill_timeout);
-    end_carriers(pidfds_by_needle(&needle)?, &needle, deadline)
+    let carriers = pidfds_by_needle(&needle)?;
+    signal_carriers_once(&carriers, super::Signal::SIGTERM, None);
+    Ok(end_carriers(carriers, &needle, deadline)?.count)
 }
 
-/// [`end_token_carriers`] for carriers already found (SIGTERMed already or not: a second
-/// SIGTERM is harmless), waiting for them until `deadline`.
+/// Sends `sig` to each carrier once: to its whole group when it leads one (its members are
+/// then not signalled again on their own), else to it alone. Members of `signalled_group` (a
+/// group the caller has just signalled) are passed over. A second SIGTERM is not harmless:
+/// many programs take it as "stop now, skip the clean-up".
+fn signal_carriers_once(
+    carriers: &[super::PidFd],
+    sig: super::Signal,
+    signalled_group: Option<Pid>,
+) {
+    let groups_of: Vec<Option<Pid>> = carriers
+        .iter()
+        .map(|fd| super::read_stat(fd.pid()).ok().map(|s| s.pgrp))
+        .collect();
+    let mut signalled: std::collections::HashSet<Pid> = signalled_group.into_iter().collect();
+    // Leaders first: their groups take their members with them.
+    for (fd, group) in carriers.iter().zip(&groups_of) {
+        if *group == Some(fd.pid()) && signalled.insert(fd.pid()) {
+            let _ = fd.signal_group(sig);
+        }
+    }
+    for (fd, group) in carriers.iter().zip(&groups_of) {
+        if !group.is_some_and(|g| signalled.contains(&g)) {
+            let _ = fd.signal(sig);
+        }
+    }
+}
+
+/// The rest of [`end_token_carriers`] for carriers already sent SIGTERM: waits for them until
+/// `deadline`, SIGKILLs those still there, and any carrier that appeared meanwhile.
 fn end_carriers(
     carriers: Vec<super::PidFd>,
     needle: &[u8],
     deadline: Instant,
-) -> Result<usize, super::ProcessError> {
-    for fd in &carriers {
-        signal_straggler(fd, super::Signal::SIGTERM);
-    }
+) -> Result<CarriersEnded, super::ProcessError> {
     let mut killed = Vec::new();
     for fd in &carriers {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -552,6 +590,7 @@ fn end_carriers(
     for fd in &late {
         signal_straggler(fd, super::Signal::SIGKILL);
     }
+    let killed_any = !killed.is_empty();
     let after_kill = super::deadline_after(super::AFTER_SIGKILL);
     for fd in killed.into_iter().chain(&late) {
         let left = after_kill.saturating_duration_since(Instant::now());
@@ -566,39 +605,55 @@ fn end_carriers(
         .iter()
         .filter(|fd| !carriers.iter().any(|c| c.pid() == fd.pid()))
         .count();
-    Ok(carriers.len() + new)
+    Ok(CarriersEnded {
+        count: carriers.len() + new,
+        sigkill: killed_any || !late.is_empty(),
+    })
 }
 
 /// Ends a run's whole tree: SIGTERM to the leader's group (through the pidfd we hold) and to
-/// every process carrying the run's token outside it; after `kill_timeout`, SIGKILL to
-/// whatever is left (see [`end_token_carriers`]). Blocking (waits up to `kill_timeout`): call
-/// it off the actor threads.
+/// every process carrying the run's token outside it, once each; after `kill_timeout`,
+/// SIGKILL to whatever is left (see [`end_token_carriers`]). `group_signalled`: the caller
+/// has just sent the group its SIGTERM (it is not sent again). `Sigkill` when anything of
+/// the tree, in the group or out of it, needed SIGKILL. Blocking (waits up to
+/// `kill_timeout`): call it off the actor threads.
 pub fn terminate_tree(
     leader: &super::PidFd,
     token: &str,
     kill_timeout: Duration,
+    group_signalled: bool,
 ) -> Result<super::Ended, super::ProcessError> {
     let deadline = super::deadline_after(kill_timeout);
     // The group first: the /proc scan for stragglers takes milliseconds and must not delay
-    // the signal the worker itself is waiting for. (terminate_group repeats it; harmless.)
-    let _ = leader.signal_group(super::Signal::SIGTERM);
+    // the signal the worker itself is waiting for.
+    let group_signalled = group_signalled || leader.signal_group(super::Signal::SIGTERM).is_ok();
     // A scan that cannot be complete does not hold up the group's end; it fails the whole end
     // afterwards, so the run's evidence is kept and the end tried again.
     let (stragglers, incomplete) = match pidfds_by_token(token) {
         Ok(found) => (found, None),
         Err(e) => (Vec::new(), Some(e)),
     };
-    for fd in &stragglers {
-        signal_straggler(fd, super::Signal::SIGTERM);
-    }
-    let ended = super::terminate_group(leader, kill_timeout);
+    signal_carriers_once(
+        &stragglers,
+        super::Signal::SIGTERM,
+        group_signalled.then(|| leader.pid()),
+    );
+    let ended = if group_signalled {
+        super::finish_group_end(leader, deadline)
+    } else {
+        // No group led by it (it left its own): ended alone, from its SIGTERM on.
+        super::terminate_group(leader, kill_timeout)
+    };
     // Their SIGTERM went out with the group's: one deadline for both. A straggler still there
     // after SIGKILL fails the whole end, as a group member would.
-    end_carriers(stragglers, &needle(token), deadline)?;
+    let carriers = end_carriers(stragglers, &needle(token), deadline)?;
     if let Some(e) = incomplete {
         return Err(e);
     }
-    ended
+    match ended? {
+        super::Ended::Sigterm if carriers.sigkill => Ok(super::Ended::Sigkill),
+        how => Ok(how),
+    }
 }
 
 #[cfg(test)]

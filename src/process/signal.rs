@@ -204,16 +204,22 @@ impl Target<'_> {
 pub fn terminate_group(pidfd: &PidFd, kill_timeout: Duration) -> Result<Ended, ProcessError> {
     let deadline = deadline_after(kill_timeout);
     match pidfd.signal_group(Signal::SIGTERM) {
-        Ok(()) => {}
+        Ok(()) => finish_group_end(pidfd, deadline),
         Err(ProcessError::NoSuchProcess { .. }) => {
-            return if pidfd.wait_exit(Duration::ZERO)? {
+            if pidfd.wait_exit(Duration::ZERO)? {
                 Ok(Ended::Sigterm)
             } else {
                 terminate_alone(pidfd, deadline)
-            };
+            }
         }
-        Err(err) => return Err(err),
+        Err(err) => Err(err),
     }
+}
+
+/// The rest of [`terminate_group`] for a group its caller has just sent SIGTERM (once: many
+/// programs take a second SIGTERM as "stop now, skip the clean-up"): waits until `deadline`
+/// for the group to be gone, then SIGKILLs what is left.
+pub fn finish_group_end(pidfd: &PidFd, deadline: Instant) -> Result<Ended, ProcessError> {
     if wait_group_gone(pidfd, deadline)? {
         return Ok(Ended::Sigterm);
     }
