@@ -73,8 +73,10 @@ fn a_hook_gets_the_event_as_json_on_stdin_and_in_its_environment() {
     let out = td.path().join("hook-out");
     fs::create_dir_all(&out).unwrap();
     // The environment first, the JSON last and by rename: a `.json` file means both are whole.
+    // Of the RUNWARDEN_* variables, only the event's (and the hook token, checked elsewhere):
+    // not the supervisor's own RUNWARDEN_LOG, which it inherited.
     let script = format!(
-        "cd {out:?} && env | grep '^RUNWARDEN_EVENT_' | sort > \"$RUNWARDEN_EVENT_ID.env\" \
+        "cd {out:?} && env | grep '^RUNWARDEN_' | grep -v '^RUNWARDEN_HOOK_TOKEN=' | sort > \"$RUNWARDEN_EVENT_ID.env\" \
          && cat > \"$RUNWARDEN_EVENT_ID.tmp\" && mv \"$RUNWARDEN_EVENT_ID.tmp\" \"$RUNWARDEN_EVENT_ID.json\"",
         out = out.display().to_string()
     );

@@ -192,6 +192,11 @@ fn run_hook(
 ) -> Result<(), String> {
     let (program, args) = hook.command.split_first().ok_or("empty hook command")?;
     let mut cmd = Command::new(program);
+    // Not the supervisor's own RUNWARDEN_* (a supervisor started inside a worker has that
+    // worker's run token and socket): the hook's are set below.
+    for key in super::spawn::inherited_runwarden_vars() {
+        cmd.env_remove(key);
+    }
     cmd.args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())

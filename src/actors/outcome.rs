@@ -60,15 +60,15 @@ impl ExitPolicy {
     }
 
     /// Exponential backoff with ±20 % jitter (so failed tasks do not retry in lock-step),
-    /// capped at `backoff_max`. `failures` is the count including this failure.
+    /// never over `backoff_max`: at the cap it is drawn from the 20 % under it, rather than
+    /// clamped to it (which put half of the capped retries on the very same delay).
+    /// `failures` is the count including this failure.
     pub fn backoff_ms(&self, failures: i64) -> i64 {
         let exp = failures.clamp(1, 30) - 1;
-        let base = self.backoff.as_millis() as f64 * 2f64.powi(exp as i32);
-        let capped = base.min(self.backoff_max.as_millis() as f64);
-        let jitter = rand::thread_rng().gen_range(0.8..=1.2);
-        (capped * jitter)
-            .min(self.backoff_max.as_millis() as f64)
-            .max(0.0) as i64
+        let max = self.backoff_max.as_millis() as f64;
+        let capped = (self.backoff.as_millis() as f64 * 2f64.powi(exp as i32)).min(max);
+        let (low, high) = (capped * 0.8, (capped * 1.2).min(max));
+        rand::thread_rng().gen_range(low..=high).max(0.0) as i64
     }
 
     /// The failure record for a run ending as `outcome`, given the task's failures so far.
@@ -357,5 +357,47 @@ pub(crate) fn with_tail(what: String, tail: &str) -> String {
         what
     } else {
         format!("{what}; log tail: {tail}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(backoff_ms: u64, max_ms: u64) -> ExitPolicy {
+        ExitPolicy {
+            on_exit_zero: OnExitZero::Complete,
+            retry_exit_codes: Vec::new(),
+            fail_exit_codes: Vec::new(),
+            retry_cooldown: Duration::ZERO,
+            max_retries: 3,
+            backoff: Duration::from_millis(backoff_ms),
+            backoff_max: Duration::from_millis(max_ms),
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_within_twenty_percent() {
+        let p = policy(1000, 60_000);
+        for (failures, base) in [(1, 1000.0), (2, 2000.0), (3, 4000.0)] {
+            for _ in 0..200 {
+                let d = p.backoff_ms(failures) as f64;
+                assert!((0.8 * base..=1.2 * base).contains(&d), "{failures}: {d}");
+            }
+        }
+    }
+
+    #[test]
+    fn backoff_at_the_cap_is_spread_under_it_not_piled_on_it() {
+        let p = policy(1000, 1000);
+        let delays: Vec<i64> = (0..400).map(|_| p.backoff_ms(5)).collect();
+        assert!(
+            delays.iter().all(|d| (800..=1000).contains(d)),
+            "{delays:?}"
+        );
+        let on_cap = delays.iter().filter(|&&d| d == 1000).count();
+        assert!(on_cap < 20, "{on_cap} of 400 retries on exactly the cap");
+        let distinct: std::collections::HashSet<_> = delays.iter().collect();
+        assert!(distinct.len() > 50, "{} distinct delays", distinct.len());
     }
 }
