@@ -43,6 +43,15 @@ pub struct WorkerGone {
     pub run_id: RunId,
 }
 
+/// Task `task_id` was archived: a worker still running for one of its closed runs (within
+/// its grace, after its report) is ended now, not at the end of the grace. Archiving is how an
+/// operator puts a task away, hung worker included.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct TaskArchived {
+    pub task_id: TaskId,
+}
+
 /// Run the board sweep now (also on every tick); answers with the number of runs examined.
 #[derive(Message)]
 #[rtype(result = "usize")]
@@ -50,6 +59,8 @@ pub struct SweepNow;
 
 struct Pending {
     timer: SpawnHandle,
+    /// What the timer will act on, should it be brought forward (see [`TaskArchived`]).
+    closed: RunClosed,
 }
 
 /// The actor.
@@ -292,9 +303,9 @@ impl Handler<RunClosed> for ReaperActor {
         }
         let due = msg.ended_at + msg.grace.as_millis() as i64;
         let delay = Duration::from_millis(due.saturating_sub(now_millis()).max(0) as u64);
-        let run_id = msg.run_id;
+        let (run_id, closed) = (msg.run_id, msg.clone());
         let timer = ctx.run_later(delay, move |act, ctx| act.fire(msg, ctx));
-        self.pending.insert(run_id, Pending { timer });
+        self.pending.insert(run_id, Pending { timer, closed });
     }
 }
 
@@ -306,6 +317,74 @@ impl Handler<WorkerGone> for ReaperActor {
         if let Some(p) = self.pending.remove(&msg.run_id) {
             ctx.cancel_future(p.timer);
         }
+    }
+}
+
+impl Handler<TaskArchived> for ReaperActor {
+    type Result = ();
+    fn handle(&mut self, msg: TaskArchived, ctx: &mut Self::Context) {
+        let store = self.store.clone();
+        let task_id = msg.task_id;
+        async move { store.read(move |tx| tx.runs_for_task(task_id)).await }
+            .into_actor(self)
+            .map(move |runs, act, ctx| {
+                let runs = match runs {
+                    Ok(runs) => runs,
+                    Err(e) => {
+                        // The grace still ends it, and the sweep catches it after that.
+                        tracing::warn!(task_id, error = %e, "reaper: cannot read an archived task's runs; its lingering worker waits for its grace");
+                        return;
+                    }
+                };
+                for run in runs.into_iter().filter(|r| !r.is_open() && r.worker_pid.is_some()) {
+                    act.end_now(run, ctx);
+                }
+            })
+            .spawn(ctx);
+    }
+}
+
+impl ReaperActor {
+    /// Ends the worker of closed run `run` (its evidence still on the row) now: through the
+    /// kill scheduled for it, brought forward; else through its own WorkerActor; else, a
+    /// previous incarnation's, under the fingerprint rules as the sweep would.
+    fn end_now(&mut self, run: board::Run, ctx: &mut Context<Self>) {
+        if let Some(p) = self.pending.remove(&run.id) {
+            ctx.cancel_future(p.timer);
+            let mut closed = p.closed;
+            closed.grace = Duration::ZERO;
+            return self.fire(closed, ctx);
+        }
+        if let Some(worker) = self.owned.get(&run.id).cloned()
+            && worker.connected()
+        {
+            if !self.left_to_its_worker(run.id) {
+                self.terminate_owned(run.id, &worker, TerminateReason::RunClosed);
+            }
+            return;
+        }
+        let (Some(pid), Some(boot_id), Some(ticks)) = (
+            run.worker_pid.and_then(|p| i32::try_from(p).ok()),
+            run.worker_boot_id,
+            run.worker_start_ticks.and_then(|t| u64::try_from(t).ok()),
+        ) else {
+            return; // No fingerprint: never signalled by pid.
+        };
+        self.reap_external(
+            ReapCandidate {
+                run_id: run.id,
+                task_id: run.task_id,
+                pid,
+                fingerprint: Fingerprint {
+                    boot_id,
+                    start_ticks: ticks,
+                },
+                ended_at: run.ended_at.unwrap_or(run.started_at),
+                token: Some(run.token),
+            },
+            false,
+            ctx,
+        );
     }
 }
 

@@ -110,7 +110,8 @@ pub enum Command {
         #[arg(value_parser = task_id, allow_negative_numbers = true)]
         id: TaskId,
     },
-    /// Archive a task; a running task's worker is ended.
+    /// Archive a task; a worker still running for it (its task running, or done and within the
+    /// reaper's grace) is ended at once.
     Archive {
         /// The task.
         #[arg(value_parser = task_id, allow_negative_numbers = true)]

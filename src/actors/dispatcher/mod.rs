@@ -506,6 +506,16 @@ impl DispatcherActor {
         {
             self.on_run_closed(run_id, ev);
         }
+        // A finished task archived: a worker of its still running after its report (within
+        // its grace) is put away with it. (A running task's archive closed its run by force:
+        // its worker is ended through that close.)
+        if ev.kind == "archived"
+            && ev.payload.get("from").and_then(|v| v.as_str()) != Some("running")
+            && let Some(task_id) = ev.task_id
+        {
+            self.reaper
+                .do_send(crate::actors::reaper::TaskArchived { task_id });
+        }
         if ev.kind == "retry_scheduled"
             && let Some(at) = ev.payload.get("not_before").and_then(|v| v.as_i64())
         {
