@@ -377,8 +377,9 @@ fn wait_exit_codes() {
     let (code, err) = failed(&d.cli(&["wait", &never.to_string(), "--timeout", "300ms"]));
     assert_eq!(code, 124, "{err}");
     assert!(err.contains("timed out"), "{err}");
+    // Not 1 (a task ended blocked): a mistyped id is a usage error.
     let (code, err) = failed(&d.cli(&["wait", "4242"]));
-    assert_eq!(code, 1);
+    assert_eq!(code, 2, "{err}");
     assert!(err.contains("not found"), "{err}");
 }
 

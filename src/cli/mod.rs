@@ -152,7 +152,7 @@ pub enum Command {
     Status,
     /// Wait for tasks: exit 0 once all are done, 1 as soon as one ends blocked or archived,
     /// 124 on timeout, 3 if the supervisor went away and did not come back (a restart is
-    /// ridden out).
+    /// ridden out), 2 for a task that does not exist.
     Wait(watch::WaitArgs),
     /// Run the terminal-worker reaper's sweep now.
     Reap,

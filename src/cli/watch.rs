@@ -628,6 +628,13 @@ fn wait_on(
     for &id in &args.ids {
         match client.show_task(id, Some(0)) {
             Ok(detail) => state.insert(id, detail.task.status),
+            // Not 1, which says a task ended blocked or archived: a script must tell a
+            // mistyped id from a failed task.
+            Err(ClientError::Server { code, message }) if code == "not_found" => {
+                return Err(CliError::usage(format!(
+                    "{message}; wait needs tasks that exist"
+                )));
+            }
             Err(e) => return lost(e),
         };
     }
