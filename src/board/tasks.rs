@@ -316,9 +316,10 @@ impl Tx<'_> {
             )?
             .execute(params![task_id, now, task.status.as_str()])?;
         changed_one(changed, task_id)?;
+        // The run it closed, if it was running (as `reclaimed` and `blocked` name theirs).
         self.append_event(
             Some(task_id),
-            None,
+            closed.as_ref().map(|c| c.run_id),
             "archived",
             json!({ "from": task.status }),
             now,
