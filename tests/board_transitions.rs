@@ -356,7 +356,11 @@ fn archive_of_a_running_task_closes_its_run() {
     assert!(tb.board.read(|tx| tx.open_runs()).unwrap().is_empty());
     let archived = events_of(&mut tb.board, task, "archived").remove(0);
     assert_eq!(archived.payload["from"], "running");
-    assert_eq!(archived.run_id, Some(c.run_id), "it names the run it closed");
+    assert_eq!(
+        archived.run_id,
+        Some(c.run_id),
+        "it names the run it closed"
+    );
 
     // Archived is final; the old run cannot act any more.
     assert_conflict(tb.board.write(|tx| tx.archive_task(task, T + 2)));

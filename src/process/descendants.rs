@@ -633,11 +633,17 @@ pub fn terminate_tree(
         Ok(found) => (found, None),
         Err(e) => (Vec::new(), Some(e)),
     };
+    // Not the leader itself either way: its group's SIGTERM reached it, or (a leader that
+    // left its own group) `terminate_group` below sends it its own.
+    let (leader_fd, others): (Vec<_>, Vec<_>) = stragglers
+        .into_iter()
+        .partition(|fd| fd.pid() == leader.pid());
     signal_carriers_once(
-        &stragglers,
+        &others,
         super::Signal::SIGTERM,
         group_signalled.then(|| leader.pid()),
     );
+    let stragglers: Vec<_> = others.into_iter().chain(leader_fd).collect();
     let ended = if group_signalled {
         super::finish_group_end(leader, deadline)
     } else {
@@ -723,6 +729,44 @@ mod tests {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    #[test]
+    fn a_leader_that_leads_no_group_is_ended_by_terminate_tree() {
+        // Started in our own group (as a leader that left its group would be): the group
+        // signal finds no group led by it, and it is a token carrier too. It gets its SIGTERM
+        // (on its own: not through a group), then SIGKILL, and the end says so. (That it gets
+        // only one cannot be seen here: two sent microseconds apart arrive as one pending
+        // signal. tests/sigterm_once.rs sees it where the sends are apart.)
+        use std::process::{Command, Stdio};
+        let dir = tempfile::tempdir().unwrap();
+        let token = format!("alone-{}-{:x}", std::process::id(), rand::random::<u64>());
+        let mut child = Command::new("sh")
+            .args([
+                "-c",
+                "trap 'echo TERM >> terms' TERM; : > ready; while :; do sleep 0.05 & wait $!; done",
+            ])
+            .current_dir(dir.path())
+            .env("RUNWARDEN_RUN_TOKEN", &token)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pidfd = super::super::PidFd::open(child.id() as Pid).unwrap();
+        let ready = crate::process::testutil::wait_until(Duration::from_secs(10), || {
+            dir.path().join("ready").exists()
+        });
+        let ended =
+            ready.then(|| terminate_tree(&pidfd, &token, Duration::from_millis(500), false));
+        let _ = pidfd.signal(super::super::Signal::SIGKILL);
+        let _ = child.wait();
+        assert!(ready, "the trap was never set");
+        assert_eq!(ended.unwrap().unwrap(), super::super::Ended::Sigkill);
+        assert!(
+            crate::process::testutil::wait_until(Duration::from_secs(5), || {
+                fs::read_to_string(dir.path().join("terms")).is_ok_and(|t| t.contains("TERM"))
+            }),
+            "it never got SIGTERM"
+        );
     }
 
     #[test]
