@@ -118,6 +118,19 @@ fn an_oversized_line_gets_too_large_and_is_closed() {
     assert!(c.closed(), "the connection is closed after too_large");
     writer.join().unwrap();
 
+    // A little over the limit, all of it written before we read: the refusal, then the end of
+    // the stream, not "connection reset" — the server reads and drops what is left of our
+    // input before it closes (a client reading to the end would otherwise lose the refusal
+    // to the reset).
+    let mut c = d.raw();
+    c.hello();
+    let over = vec![b'x'; 1024 * 1024 + 64 * 1024];
+    c.send(&over);
+    let r = c.recv().expect("an answer before the close");
+    assert_eq!(error_code(&r), "too_large", "{r}");
+    c.ends_cleanly()
+        .expect("the connection ends cleanly after too_large");
+
     // Exactly at the limit is still fine (the newline does not count).
     let mut c = d.raw();
     c.hello();

@@ -53,6 +53,13 @@ const MAX_STREAMS: usize = 4;
 const READ_BUF: usize = 64 * 1024;
 /// How long the last lines (a refusal, the final replies) may take to write on close.
 const CLOSE_DRAIN: Duration = Duration::from_secs(2);
+/// After a refusal that closes the connection while the client may still be sending (a line
+/// over the limit, an idle timeout), how long, and how much, of its input is read and thrown
+/// away before the close: a socket closed with unread input makes the client's next read fail
+/// with "connection reset" (after the refusal line, but a client reading to the end loses it
+/// as well when its read-all gives up on the error).
+const REFUSAL_DRAIN: Duration = Duration::from_secs(1);
+const REFUSAL_DRAIN_BYTES: usize = 64 * 1024 * 1024;
 /// How often a connection whose client has shut down its sending side, but still has streams
 /// open, checks whether the client has closed the socket altogether.
 const HANGUP_PROBE: Duration = Duration::from_secs(1);
@@ -233,6 +240,7 @@ pub(super) async fn serve(
     for s in streams.iter() {
         s.abort();
     }
+    let refused = !gone && last_words.is_some();
     if !gone && let Some(line) = last_words {
         let _ = out.push(line);
     }
@@ -243,6 +251,27 @@ pub(super) async fn serve(
     {
         // Do not leave a writer behind holding the socket after the slot is freed.
         writer.abort();
+    }
+    if refused {
+        // The refusal is written and our side shut: what the client still sends is read and
+        // dropped until it stops (EOF), within a bound, so the close does not reset it.
+        let _ = tokio::time::timeout(REFUSAL_DRAIN, discard_input(&mut reader)).await;
+    }
+}
+
+/// Reads and drops the client's input until it ends (or fails), at most
+/// [`REFUSAL_DRAIN_BYTES`].
+async fn discard_input(reader: &mut BufReader<OwnedReadHalf>) {
+    let mut dropped = 0;
+    while dropped < REFUSAL_DRAIN_BYTES {
+        match reader.fill_buf().await {
+            Ok([]) | Err(_) => return,
+            Ok(buf) => {
+                let n = buf.len();
+                reader.consume(n);
+                dropped += n;
+            }
+        }
     }
 }
 

@@ -381,6 +381,17 @@ impl RawConn {
     pub fn closed(&mut self) -> bool {
         self.recv().is_none()
     }
+
+    /// Reads to the end of the stream: `Err` for a reset (the server closed with our input
+    /// unread) or for more lines.
+    pub fn ends_cleanly(&mut self) -> Result<(), String> {
+        let mut rest = String::new();
+        match self.reader.read_to_string(&mut rest) {
+            Ok(_) if rest.is_empty() => Ok(()),
+            Ok(_) => Err(format!("more after the last line: {rest:?}")),
+            Err(e) => Err(format!("not a clean end: {e}")),
+        }
+    }
 }
 
 /// Adds `tasks` over `client`, pipelined (up to 256 in flight), and returns their ids in order.
