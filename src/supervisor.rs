@@ -232,6 +232,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         HookActor::new(
             config.hooks.clone(),
             hook_token.clone(),
+            config.socket_path(),
             store.clone(),
             hooks.clone(),
         )

@@ -24,6 +24,17 @@ use runwarden::process::Signal;
 /// Starts `serve` with assignee `w` running `sh -c worker` and the given `[[hooks]]` tables,
 /// after creating one task per title; returns the serve, the board and the tasks.
 fn start(td: &TestDir, worker: &str, hooks: &str, titles: &[&str]) -> (Serve, Db, Vec<TaskId>) {
+    start_with_env(td, worker, hooks, titles, &[])
+}
+
+/// [`start`] with `env` in the supervisor's environment.
+fn start_with_env(
+    td: &TestDir,
+    worker: &str,
+    hooks: &str,
+    titles: &[&str],
+    env: &[(&str, &str)],
+) -> (Serve, Db, Vec<TaskId>) {
     let config = td.write_config(
         "tick = \"100ms\"",
         &format!(
@@ -43,7 +54,7 @@ fn start(td: &TestDir, worker: &str, hooks: &str, titles: &[&str]) -> (Serve, Db
             })
             .collect()
     });
-    let mut serve = Serve::start(&config, "serve");
+    let mut serve = Serve::start_with_env(&config, "serve", env);
     serve.wait_ready(&td.lock_path(), &td.db_path());
     (serve, db, tasks)
 }
@@ -73,19 +84,27 @@ fn a_hook_gets_the_event_as_json_on_stdin_and_in_its_environment() {
     let out = td.path().join("hook-out");
     fs::create_dir_all(&out).unwrap();
     // The environment first, the JSON last and by rename: a `.json` file means both are whole.
-    // Of the RUNWARDEN_* variables, only the event's (and the hook token, checked elsewhere):
-    // not the supervisor's own RUNWARDEN_LOG, which it inherited.
+    // Of the RUNWARDEN_* variables: the event's, the socket, and the operator's setting the
+    // supervisor inherited (RUNWARDEN_LOG) — not the run variables it inherited (started, as
+    // here, inside another supervisor's worker). The hook token is checked elsewhere.
     let script = format!(
         "cd {out:?} && env | grep '^RUNWARDEN_' | grep -v '^RUNWARDEN_HOOK_TOKEN=' | sort > \"$RUNWARDEN_EVENT_ID.env\" \
          && cat > \"$RUNWARDEN_EVENT_ID.tmp\" && mv \"$RUNWARDEN_EVENT_ID.tmp\" \"$RUNWARDEN_EVENT_ID.json\"",
         out = out.display().to_string()
     );
-    let (mut serve, mut db, tasks) = start(
+    let (mut serve, mut db, tasks) = start_with_env(
         &td,
         "echo 'worker failed on purpose' >&2; exit 3",
         // `crashed` is a run outcome, not an event kind: it fires on the crash's `run_closed`.
         &hook(&["gave_up", "crashed"], &script, "5s"),
         &["doomed"],
+        &[
+            ("RUNWARDEN_RUN_TOKEN", "an-outer-run"),
+            ("RUNWARDEN_RUN_ID", "77"),
+            ("RUNWARDEN_TASK_ID", "78"),
+            ("RUNWARDEN_TASK_TITLE", "outer"),
+            ("RUNWARDEN_SOCKET", "/nonexistent/outer.sock"),
+        ],
     );
     let task = tasks[0];
     db.wait_status(task, TaskStatus::Blocked, SETTLE);
@@ -113,6 +132,8 @@ fn a_hook_gets_the_event_as_json_on_stdin_and_in_its_environment() {
             format!("RUNWARDEN_EVENT_KIND={}", ev.kind),
             format!("RUNWARDEN_EVENT_RUN_ID={}", ev.run_id.unwrap()),
             format!("RUNWARDEN_EVENT_TASK_ID={task}"),
+            "RUNWARDEN_LOG=info".to_string(),
+            format!("RUNWARDEN_SOCKET={}", td.socket_path().display()),
         ];
         expected.sort();
         assert_eq!(env.lines().collect::<Vec<_>>(), expected, "{env}");

@@ -39,6 +39,8 @@ fn a_worker_ended_any_way_gets_one_sigterm_then_sigkill() {
     let td = TestDir::new();
     let mut config = lib_config(&td);
     config.reaper.kill_timeout = Duration::from_millis(700);
+    // No retry: one would run in the same work dir and add to the same count.
+    config.retries.max_retries = 0;
     let mut counter = AssigneeConfig::new(["sh", "-c", COUNTER]);
     counter.max_in_progress = 3;
     config.assignees.insert("w".into(), counter);

@@ -52,6 +52,8 @@ pub struct HookActor {
     hooks: Vec<HookConfig>,
     /// This incarnation's hook token, in every hook's environment.
     token: Arc<str>,
+    /// This supervisor's control socket (`RUNWARDEN_SOCKET` for the hooks' `runwarden`).
+    socket: Arc<Path>,
     /// Subscribed when the actor is made, forwarded once it runs (see `new`).
     feed: Option<EventFeed>,
     queue: VecDeque<(HookConfig, Arc<Event>)>,
@@ -78,10 +80,17 @@ impl HookActor {
     /// A hook runner for `hooks` fed by `store`'s events; `stopping` ends it. It subscribes
     /// here, not when it first runs: the dispatcher may claim (and the store commit) before
     /// this actor is first polled, and a hook on `claimed` would miss that claim.
-    pub fn new(hooks: Vec<HookConfig>, token: Arc<str>, store: Store, stopping: HooksStop) -> Self {
+    pub fn new(
+        hooks: Vec<HookConfig>,
+        token: Arc<str>,
+        socket: PathBuf,
+        store: Store,
+        stopping: HooksStop,
+    ) -> Self {
         HookActor {
             hooks,
             token,
+            socket: socket.into(),
             feed: Some(store.subscribe()),
             queue: VecDeque::new(),
             running: 0,
@@ -107,9 +116,9 @@ impl HookActor {
             self.running += 1;
             let me = ctx.address();
             let stopping = self.stopping.clone();
-            let token = self.token.clone();
+            let (token, socket) = (self.token.clone(), self.socket.clone());
             actix_rt::task::spawn_blocking(move || {
-                if let Err(e) = run_hook(&hook, &ev, &token, &stopping) {
+                if let Err(e) = run_hook(&hook, &ev, &token, &socket, &stopping) {
                     tracing::warn!(command = ?hook.command, event = %ev.kind, error = %e, "hook failed");
                 }
                 me.do_send(HookDone);
@@ -182,22 +191,34 @@ fn fires_on(hook: &HookConfig, ev: &Event) -> bool {
         .any(|k| k == "*" || *k == ev.kind || Some(k.as_str()) == outcome)
 }
 
+/// A worker's own variables, which a hook never inherits from the supervisor.
+const RUN_VARS: [&str; 4] = [
+    "RUNWARDEN_RUN_TOKEN",
+    "RUNWARDEN_RUN_ID",
+    "RUNWARDEN_TASK_ID",
+    "RUNWARDEN_TASK_TITLE",
+];
+
 /// Runs one hook to completion (or kills it at its timeout, or when the supervisor stops).
 /// Blocking.
 fn run_hook(
     hook: &HookConfig,
     ev: &Event,
     token: &str,
+    socket: &Path,
     stopping: &HooksStop,
 ) -> Result<(), String> {
     let (program, args) = hook.command.split_first().ok_or("empty hook command")?;
     let mut cmd = Command::new(program);
-    // Not the supervisor's own RUNWARDEN_* (a supervisor started inside a worker has that
-    // worker's run token and socket): the hook's are set below.
-    for key in super::spawn::inherited_runwarden_vars() {
+    // Not a run's variables the supervisor inherited (one started inside a worker has that
+    // worker's token: a hook's `runwarden complete` would report for that run). Its socket
+    // is this supervisor's. The operator's settings (RUNWARDEN_CONFIG, RUNWARDEN_TIMEOUT…)
+    // stay.
+    for key in RUN_VARS {
         cmd.env_remove(key);
     }
     cmd.args(args)
+        .env("RUNWARDEN_SOCKET", socket)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())

@@ -246,6 +246,15 @@ impl ReaperActor {
                 act.ending
                     .retain(|run_id, _| all.iter().any(|c| c.run_id == *run_id));
                 let due_ids: HashSet<RunId> = due.iter().map(|c| c.run_id).collect();
+                // Due while its timer still waits: its task was archived (which makes a
+                // closed run's worker due at once). Brought forward here too, so a missed
+                // `TaskArchived` (a lagging feed) costs a tick, not the rest of the grace.
+                for run_id in &due_ids {
+                    if let Some(p) = act.pending.remove(run_id) {
+                        ctx.cancel_future(p.timer);
+                        act.fire(p.closed, ctx);
+                    }
+                }
                 // Due ones first: probes of runs within their grace never crowd them out.
                 let (due, early): (Vec<_>, Vec<_>) = all
                     .into_iter()
@@ -349,17 +358,16 @@ impl ReaperActor {
     /// kill scheduled for it, brought forward; else through its own WorkerActor; else, a
     /// previous incarnation's, under the fingerprint rules as the sweep would.
     fn end_now(&mut self, run: board::Run, ctx: &mut Context<Self>) {
+        // As if its grace were over: a terminal reap (its `terminal_worker_reaped` event).
         if let Some(p) = self.pending.remove(&run.id) {
             ctx.cancel_future(p.timer);
-            let mut closed = p.closed;
-            closed.grace = Duration::ZERO;
-            return self.fire(closed, ctx);
+            return self.fire(p.closed, ctx);
         }
         if let Some(worker) = self.owned.get(&run.id).cloned()
             && worker.connected()
         {
             if !self.left_to_its_worker(run.id) {
-                self.terminate_owned(run.id, &worker, TerminateReason::RunClosed);
+                self.terminate_owned(run.id, &worker, TerminateReason::TerminalReap);
             }
             return;
         }

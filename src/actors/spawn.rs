@@ -920,8 +920,8 @@ fn compute_path_with_own_binary() -> Option<std::ffi::OsString> {
 }
 
 /// The `RUNWARDEN_*` variables of the supervisor's own environment (set when it was itself
-/// started inside a worker), read once: workers and hooks do not get them.
-pub(crate) fn inherited_runwarden_vars() -> &'static [std::ffi::OsString] {
+/// started inside a worker), read once: workers do not get them.
+fn inherited_runwarden_vars() -> &'static [std::ffi::OsString] {
     static VARS: OnceLock<Vec<std::ffi::OsString>> = OnceLock::new();
     VARS.get_or_init(|| {
         std::env::vars_os()

@@ -347,8 +347,13 @@ impl Board {
     /// what a backup that copies only that file gets. SQLite does this itself when the last
     /// connection closes, but a read-only connection cannot, and the store's readers may
     /// outlive its writer. `Ok(false)`: a reader kept part of the log (still in use) and the
-    /// file is not complete yet.
+    /// file is not complete yet. Waits at most 250 ms for readers; the connection keeps that
+    /// shorter wait after (it is meant for a writer about to close).
     pub fn checkpoint(&self) -> Result<bool> {
+        // Not the board's 10 s busy wait: this runs as the supervisor stops, and a reader
+        // in the middle of a read only means the file is completed at the next start.
+        self.conn
+            .busy_timeout(std::time::Duration::from_millis(250))?;
         let busy: i64 = self
             .conn
             .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;

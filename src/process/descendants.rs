@@ -633,11 +633,13 @@ pub fn terminate_tree(
         Ok(found) => (found, None),
         Err(e) => (Vec::new(), Some(e)),
     };
-    // Not the leader itself either way: its group's SIGTERM reached it, or (a leader that
-    // left its own group) `terminate_group` below sends it its own.
+    // A leader with no group of its own left (it moved to another) gets its SIGTERM from
+    // `terminate_group` below: not as a carrier too. One whose group was signalled is a
+    // carrier like any other: in that group (passed over) or, moved out while members stayed,
+    // signalled where it is now.
     let (leader_fd, others): (Vec<_>, Vec<_>) = stragglers
         .into_iter()
-        .partition(|fd| fd.pid() == leader.pid());
+        .partition(|fd| !group_signalled && fd.pid() == leader.pid());
     signal_carriers_once(
         &others,
         super::Signal::SIGTERM,

@@ -299,6 +299,11 @@ pub struct Serve {
 impl Serve {
     /// Starts `runwarden serve --config <config>`; logs at `RUNWARDEN_LOG=info`.
     pub fn start(config: &Path, log_name: &str) -> Serve {
+        Serve::start_with_env(config, log_name, &[])
+    }
+
+    /// [`Serve::start`] with `env` added to the supervisor's environment.
+    pub fn start_with_env(config: &Path, log_name: &str, env: &[(&str, &str)]) -> Serve {
         let dir = config.parent().expect("config has a parent dir");
         let stderr_path = dir.join(format!("{log_name}.stderr"));
         let stdout_path = dir.join(format!("{log_name}.stdout"));
@@ -317,6 +322,7 @@ impl Serve {
                 cmd.env_remove(&key);
             }
         }
+        cmd.envs(env.iter().copied());
         Serve {
             child: ChildGuard::spawn(&mut cmd).expect("spawn runwarden serve"),
             stderr_path,
