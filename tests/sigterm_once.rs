@@ -117,3 +117,45 @@ fn an_escaped_descendant_that_needed_sigkill_is_reported_so() {
         db.history(task)
     );
 }
+
+/// The worker of the test below: an escapee in a session of its own which, on SIGTERM, starts
+/// a clean-up child (a carrier of the run's token too, forked after any scan could see it),
+/// waits until that child has set its own SIGTERM trap, and exits; then the worker exits 1.
+const ESCAPEE_WITH_CLEANUP: &str = r#"
+setsid sh -c '
+  trap "sh -c \"trap \\\"echo TERM >> cleanup; exit 0\\\" TERM; : > cleanup-ready; while :; do sleep 0.05 & wait \\\$!; done\" &
+        while [ ! -e cleanup-ready ]; do sleep 0.02; done; exit 0" TERM
+  : > escaped
+  while :; do sleep 0.05 & wait $!; done' &
+while [ ! -e escaped ]; do sleep 0.02; done
+exit 1
+"#;
+
+#[test]
+fn a_descendant_forked_while_the_tree_is_ended_gets_its_sigterm_too() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.reaper.kill_timeout = Duration::from_secs(3);
+    config.retries.max_retries = 0;
+    let script = td.path().join("escapee.sh");
+    fs::write(&script, ESCAPEE_WITH_CLEANUP).unwrap();
+    config.assignees.insert(
+        "w".into(),
+        AssigneeConfig::new(["sh", script.to_str().unwrap()]),
+    );
+    let sup = Supervisor::start(config).expect("start");
+    let task = add(&sup, task_for("escapes", "w"));
+    let mut db = Db::new(td.db_path());
+    let ended = db.wait_event(task, "worker_group_ended", Duration::from_secs(10));
+    sup.shutdown();
+    // The clean-up child was not there for the first SIGTERM; it got one of its own (and
+    // handled it) rather than a SIGKILL at once.
+    let cleanup = fs::read_to_string(work(&td, task).join("cleanup")).unwrap_or_default();
+    assert_eq!(cleanup.trim(), "TERM", "{}", db.history(task));
+    assert_eq!(
+        ended.payload["ended_by"],
+        "sigterm",
+        "every part ended on SIGTERM: {}",
+        db.history(task)
+    );
+}

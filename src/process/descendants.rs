@@ -500,10 +500,10 @@ fn pidfds_by_needle(needle: &[u8]) -> Result<Vec<super::PidFd>, ProcessError> {
         .collect())
 }
 
-/// Ends every process carrying `token`: SIGTERM to each verified carrier (its whole group when
-/// it leads one), a wait of up to `kill_timeout` for each (the deadline is shared), SIGKILL to
-/// those still running; then one more scan SIGKILLs any carrier that appeared meanwhile (forked
-/// by one being ended). Every signal goes through a pidfd verified against a fingerprint read
+/// Ends every process carrying `token`: SIGTERM to each verified carrier, once (its whole group
+/// when it leads one), a wait of up to `kill_timeout` for each (the deadline is shared), SIGKILL
+/// to those still running; then a carrier that appeared meanwhile (forked by one being ended)
+/// gets the same, within what is left of the deadline, and a last scan SIGKILLs any newer one. Every signal goes through a pidfd verified against a fingerprint read
 /// before the token (see [`find_by_token`]). Blocking. Returns how many carriers were
 /// signalled, or an error when one SIGKILLed is still there after `AFTER_SIGKILL` (5 s)
 /// (uninterruptible sleep), or when a scan could not be complete: callers keep the run's
@@ -584,15 +584,35 @@ fn end_carriers(
             killed.push(fd);
         }
     }
-    // A carrier may have forked after the first scan; its children carry the token too.
-    // Verification only passes live processes, so everything found here is still running.
-    let late: Vec<super::PidFd> = pidfds_by_needle(needle)?;
+    // A carrier may have forked after the first scan (a clean-up child started by its
+    // SIGTERM handler, say); its children carry the token too. They get their own SIGTERM and
+    // what is left of the deadline, as the first ones had, then SIGKILL. Verification only
+    // passes live processes, so everything found here is still running.
+    let known =
+        |fd: &super::PidFd, among: &[super::PidFd]| among.iter().any(|c| c.pid() == fd.pid());
+    let late: Vec<super::PidFd> = pidfds_by_needle(needle)?
+        .into_iter()
+        .filter(|fd| !known(fd, &carriers))
+        .collect();
+    signal_carriers_once(&late, super::Signal::SIGTERM, None);
     for fd in &late {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if !fd.wait_exit(left).unwrap_or(false) {
+            signal_straggler(fd, super::Signal::SIGKILL);
+            killed.push(fd);
+        }
+    }
+    // Whatever carries the token still (forked in the meantime) has had its time.
+    let last: Vec<super::PidFd> = pidfds_by_needle(needle)?
+        .into_iter()
+        .filter(|fd| !known(fd, &carriers) && !known(fd, &late))
+        .collect();
+    for fd in &last {
         signal_straggler(fd, super::Signal::SIGKILL);
     }
-    let killed_any = !killed.is_empty();
+    let killed_any = !killed.is_empty() || !last.is_empty();
     let after_kill = super::deadline_after(super::AFTER_SIGKILL);
-    for fd in killed.into_iter().chain(&late) {
+    for fd in killed.into_iter().chain(&last) {
         let left = after_kill.saturating_duration_since(Instant::now());
         if !fd.wait_exit(left).unwrap_or(false) {
             return Err(super::ProcessError::SurvivedSigkill {
@@ -601,13 +621,9 @@ fn end_carriers(
             });
         }
     }
-    let new = late
-        .iter()
-        .filter(|fd| !carriers.iter().any(|c| c.pid() == fd.pid()))
-        .count();
     Ok(CarriersEnded {
-        count: carriers.len() + new,
-        sigkill: killed_any || !late.is_empty(),
+        count: carriers.len() + late.len() + last.len(),
+        sigkill: killed_any,
     })
 }
 
