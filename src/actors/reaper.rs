@@ -104,6 +104,14 @@ impl ReaperActor {
     /// How long a WorkerActor's own kill of its worker is left alone by the sweep: longer than
     /// that kill can take (SIGTERM, kill_timeout, SIGKILL, the wait for the group to be gone),
     /// or the sweep would start a second kill and record the reap twice.
+    /// How long after its close a run closed during this incarnation is left to its
+    /// `RunClosed` (on its way from the dispatcher, with the worker's actor) before the sweep
+    /// takes it for one nobody watches: a sweep that read the closed run first would start
+    /// a second kill of the same worker beside its actor's — a second SIGTERM.
+    fn settle_ms(&self) -> i64 {
+        (2 * self.tick + Duration::from_secs(1)).as_millis() as i64
+    }
+
     fn give_up_after(&self) -> Duration {
         self.kill_timeout + crate::process::AFTER_SIGKILL + 2 * self.tick + Duration::from_secs(1)
     }
@@ -265,8 +273,13 @@ impl ReaperActor {
                     })
                     .partition(|c| due_ids.contains(&c.run_id));
                 // Early only for runs closed before this incarnation started: nothing else
-                // watches their workers.
+                // watches their workers. A due run closed since is left to its RunClosed for a
+                // moment (see `settle_ms`).
                 let started_at = act.started_at;
+                let settled = board::now_millis() - act.settle_ms();
+                let due = due
+                    .into_iter()
+                    .filter(|c| c.ended_at < started_at || c.ended_at <= settled);
                 let early = early.into_iter().filter(|c| c.ended_at < started_at);
                 let todo: Vec<_> = due.into_iter().chain(early).take(SWEEP_BATCH).collect();
                 for c in todo {

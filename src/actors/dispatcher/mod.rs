@@ -8,6 +8,19 @@
 mod reconcile;
 #[doc(hidden)]
 pub use reconcile::delay_reconciles;
+
+/// See [`delay_run_closed`].
+static RUN_CLOSED_DELAY_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Test hook: every `RunClosed` this process's dispatchers hand the reaper arrives `delay`
+/// late (as behind a busy actor thread). Process-wide: for a test binary of its own.
+#[doc(hidden)]
+pub fn delay_run_closed(delay: Duration) {
+    RUN_CLOSED_DELAY_MS.store(
+        delay.as_millis() as u64,
+        std::sync::atomic::Ordering::SeqCst,
+    );
+}
 mod retention;
 
 use std::collections::{BTreeMap, HashMap};
@@ -590,7 +603,7 @@ impl DispatcherActor {
             Some(RunOutcome::Completed | RunOutcome::Blocked) => self.config.reaper.grace,
             _ => Duration::ZERO,
         };
-        self.reaper.do_send(RunClosed {
+        let closed = RunClosed {
             run_id,
             task_id,
             pid,
@@ -598,7 +611,17 @@ impl DispatcherActor {
             ended_at,
             grace,
             worker: self.workers.get(&run_id).map(|w| w.addr.clone()),
-        });
+        };
+        let delay = RUN_CLOSED_DELAY_MS.load(std::sync::atomic::Ordering::SeqCst);
+        if delay == 0 {
+            self.reaper.do_send(closed);
+        } else {
+            let reaper = self.reaper.clone();
+            actix_rt::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+                reaper.do_send(closed);
+            });
+        }
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
