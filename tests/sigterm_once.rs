@@ -121,9 +121,11 @@ fn an_escaped_descendant_that_needed_sigkill_is_reported_so() {
 /// The worker of the test below: an escapee in a session of its own which, on SIGTERM, starts
 /// a clean-up child (a carrier of the run's token too, forked after any scan could see it),
 /// waits until that child has set its own SIGTERM trap, and exits; then the worker exits 1.
+/// The clean-up child forks nothing once it is ready: a process born after the end's last scan
+/// is SIGKILLed, as designed, which would make the count below a matter of timing.
 const ESCAPEE_WITH_CLEANUP: &str = r#"
 setsid sh -c '
-  trap "sh -c \"trap \\\"echo TERM >> cleanup; exit 0\\\" TERM; : > cleanup-ready; while :; do sleep 0.05 & wait \\\$!; done\" &
+  trap "sh -c \"trap \\\"echo TERM >> cleanup; exit 0\\\" TERM; sleep 300 & : > cleanup-ready; wait\" &
         while [ ! -e cleanup-ready ]; do sleep 0.02; done; exit 0" TERM
   : > escaped
   while :; do sleep 0.05 & wait $!; done' &

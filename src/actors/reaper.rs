@@ -101,9 +101,6 @@ impl ReaperActor {
         }
     }
 
-    /// How long a WorkerActor's own kill of its worker is left alone by the sweep: longer than
-    /// that kill can take (SIGTERM, kill_timeout, SIGKILL, the wait for the group to be gone),
-    /// or the sweep would start a second kill and record the reap twice.
     /// How long after its close a run closed during this incarnation is left to its
     /// `RunClosed` (on its way from the dispatcher, with the worker's actor) before the sweep
     /// takes it for one nobody watches: a sweep that read the closed run first would start
@@ -112,6 +109,9 @@ impl ReaperActor {
         (2 * self.tick + Duration::from_secs(1)).as_millis() as i64
     }
 
+    /// How long a WorkerActor's own kill of its worker is left alone by the sweep: longer than
+    /// that kill can take (SIGTERM, kill_timeout, SIGKILL, the wait for the group to be gone),
+    /// or the sweep would start a second kill and record the reap twice.
     fn give_up_after(&self) -> Duration {
         self.kill_timeout + crate::process::AFTER_SIGKILL + 2 * self.tick + Duration::from_secs(1)
     }
@@ -243,21 +243,23 @@ impl ReaperActor {
                     let due = tx.terminal_reap_candidates(now, grace_ms)?;
                     let all =
                         tx.terminal_reap_candidates(now.saturating_add(grace_ms), grace_ms)?;
-                    Ok((due, all))
+                    let archived = tx.archived_runs_with_evidence()?;
+                    Ok((due, all, archived))
                 })
                 .await
         }
         .into_actor(self)
         .map(|res, act, ctx| match res {
-            Ok((due, all)) => {
+            Ok((due, all, archived)) => {
                 // A run no longer a candidate has had its evidence cleared: nothing to wait for.
                 act.ending
                     .retain(|run_id, _| all.iter().any(|c| c.run_id == *run_id));
                 let due_ids: HashSet<RunId> = due.iter().map(|c| c.run_id).collect();
-                // Due while its timer still waits: its task was archived (which makes a
-                // closed run's worker due at once). Brought forward here too, so a missed
-                // `TaskArchived` (a lagging feed) costs a tick, not the rest of the grace.
-                for run_id in &due_ids {
+                // Its timer still waits, but its task was archived (which makes a closed run's
+                // worker due at once): brought forward here too, so a missed `TaskArchived` (a
+                // lagging feed) costs a tick, not the rest of the grace. Only then: a run due
+                // by the wall clock alone (it jumped forward) keeps its grace, on its timer.
+                for run_id in &archived {
                     if let Some(p) = act.pending.remove(run_id) {
                         ctx.cancel_future(p.timer);
                         act.fire(p.closed, ctx);

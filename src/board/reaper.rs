@@ -47,6 +47,19 @@ impl Tx<'_> {
     /// never selected. Uses the `runs_evidence` partial index, so the cost follows the rows
     /// still holding evidence, not the history. A row that cannot be decoded is logged and
     /// skipped, never allowed to stop the sweep.
+    /// Closed runs still holding worker evidence whose task is archived: the ones the sweep
+    /// may end before their grace is over (see [`Self::terminal_reap_candidates`]). Through
+    /// the `runs_evidence` partial index, as that one.
+    pub fn archived_runs_with_evidence(&self) -> Result<std::collections::HashSet<RunId>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT r.id FROM task_runs r JOIN tasks t ON t.id = r.task_id \
+             WHERE r.ended_at IS NOT NULL AND r.worker_pid IS NOT NULL \
+               AND t.status = 'archived'",
+        )?;
+        let ids = stmt.query_map([], |r| r.get(0))?;
+        Ok(ids.collect::<rusqlite::Result<_>>()?)
+    }
+
     pub fn terminal_reap_candidates(
         &self,
         now: Millis,

@@ -60,6 +60,9 @@ const CLOSE_DRAIN: Duration = Duration::from_secs(2);
 /// as well when its read-all gives up on the error).
 const REFUSAL_DRAIN: Duration = Duration::from_secs(1);
 const REFUSAL_DRAIN_BYTES: usize = 64 * 1024 * 1024;
+/// A client silent this long (one that was idle, say) has nothing more on its way: the drain
+/// stops, and its slot is freed.
+const REFUSAL_DRAIN_GAP: Duration = Duration::from_millis(100);
 /// How often a connection whose client has shut down its sending side, but still has streams
 /// open, checks whether the client has closed the socket altogether.
 const HANGUP_PROBE: Duration = Duration::from_secs(1);
@@ -259,14 +262,14 @@ pub(super) async fn serve(
     }
 }
 
-/// Reads and drops the client's input until it ends (or fails), at most
-/// [`REFUSAL_DRAIN_BYTES`].
+/// Reads and drops the client's input until it ends, fails, or pauses for
+/// [`REFUSAL_DRAIN_GAP`]; at most [`REFUSAL_DRAIN_BYTES`].
 async fn discard_input(reader: &mut BufReader<OwnedReadHalf>) {
     let mut dropped = 0;
     while dropped < REFUSAL_DRAIN_BYTES {
-        match reader.fill_buf().await {
-            Ok([]) | Err(_) => return,
-            Ok(buf) => {
+        match tokio::time::timeout(REFUSAL_DRAIN_GAP, reader.fill_buf()).await {
+            Err(_) | Ok(Ok([]) | Err(_)) => return,
+            Ok(Ok(buf)) => {
                 let n = buf.len();
                 reader.consume(n);
                 dropped += n;

@@ -588,8 +588,13 @@ fn end_carriers(
     // SIGTERM handler, say); its children carry the token too. They get their own SIGTERM and
     // what is left of the deadline, as the first ones had, then SIGKILL. Verification only
     // passes live processes, so everything found here is still running.
-    let known =
-        |fd: &super::PidFd, among: &[super::PidFd]| among.iter().any(|c| c.pid() == fd.pid());
+    // The same process: the same pid, still held by a carrier that has not exited (one that
+    // has, and was reaped, may have passed its pid on to a new carrier).
+    let known = |fd: &super::PidFd, among: &[super::PidFd]| {
+        among
+            .iter()
+            .any(|c| c.pid() == fd.pid() && !c.wait_exit(Duration::ZERO).unwrap_or(false))
+    };
     let late: Vec<super::PidFd> = pidfds_by_needle(needle)?
         .into_iter()
         .filter(|fd| !known(fd, &carriers))
