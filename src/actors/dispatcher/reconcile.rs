@@ -429,6 +429,7 @@ impl DispatcherActor {
                 });
                 let store = self.store.clone();
                 let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
+                let (task_id, pid) = (task.id, run.worker_pid);
                 async move {
                     // The leader is gone, but what it left (group members, setsid escapees)
                     // still carries the run's token: end it before the task can run again. One
@@ -437,9 +438,28 @@ impl DispatcherActor {
                         process::descendants::end_token_carriers(&token, kill)
                     })
                     .await;
-                    if !matches!(ended, Ok(Ok(_))) {
+                    let Ok(Ok(ended)) = ended else {
                         tracing::warn!(run_id, "reconcile: a dead worker's descendants outlived SIGKILL; run left open");
                         return;
+                    };
+                    // What it left was ended: said as for a worker of ours whose tree outlived
+                    // it, before the run is closed.
+                    if ended.count > 0 {
+                        let how = if ended.sigkill { "sigkill" } else { "sigterm" };
+                        let noted = store
+                            .with_tx(move |tx, now| {
+                                tx.append_event(
+                                    Some(task_id),
+                                    Some(run_id),
+                                    "worker_group_ended",
+                                    serde_json::json!({ "pid": pid, "ended_by": how }),
+                                    now,
+                                )
+                            })
+                            .await;
+                        if let Err(e) = noted {
+                            tracing::warn!(run_id, error = %e, "reconcile: cannot record the end of a dead worker's descendants");
+                        }
                     }
                     if let Some(cx) = known {
                         if let Err(e) = outcome::record_exit(&store, cx).await {

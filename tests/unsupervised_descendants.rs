@@ -1,0 +1,84 @@
+//! A worker that exits while no supervisor runs (its supervisor was killed) leaves a `setsid`
+//! escapee behind. The next supervisor's reconcile finds the run's leader dead, ends what
+//! still carries the run's token, records that (`worker_group_ended`, as for a tree that
+//! outlived a worker of its own), and only then closes the run.
+//!
+//! One test in this file: it makes the test process a child subreaper, standing in for an
+//! init that reaps at once.
+
+#[allow(dead_code)]
+mod common;
+
+use common::lifecycle::{Db, View, open_gate, stop_serve, wait_for_gate, wait_run_procs};
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, Serve, TestDir};
+use runwarden::board::{NewTask, now_millis};
+use runwarden::process::{Signal, read_stat};
+
+#[test]
+fn a_dead_workers_escapee_found_at_the_next_start_is_ended_and_recorded() {
+    let td = TestDir::new();
+    let gates = td.path().join("gates");
+    let worker = format!("setsid sleep 310 & {}; exit 0", wait_for_gate(60));
+    let config = td.write_config(
+        "tick = \"200ms\"",
+        &format!(
+            "[reaper]\nkill_timeout = \"1s\"\n\n[retries]\nmax_retries = 0\n\n\
+             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
+             env = {{ GATE_DIR = {gates:?} }}\n"
+        ),
+    );
+    let _subreaper = runwarden::process::become_subreaper().expect("become a subreaper");
+    std::fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(&NewTask::titled("w").for_assignee("w"), now_millis())?
+            .id)
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    db.wait_event(task, "worker_spawned", SETTLE);
+    let run = db.runs(task)[0].clone();
+    let escapee = wait_run_procs(&run.token, &["sleep 310"], SETTLE).remove(0);
+    let _pin = escapee.pin();
+    // Killed: nothing ends or records anything on its way out.
+    serve.signal(Signal::SIGKILL);
+    assert!(serve.wait_exit(SETTLE).is_some(), "serve survived SIGKILL");
+
+    // The worker is ours now (re-parented): it exits, and is reaped here, unsupervised.
+    let leader = run.spawned_pid.expect("spawned pid") as i32;
+    let me = std::process::id() as i32;
+    assert!(
+        wait_until(SETTLE, || read_stat(leader).is_ok_and(|s| s.ppid == me)),
+        "the worker was not re-parented to the test"
+    );
+    open_gate(&gates, task);
+    let reaped = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(leader), None);
+    assert!(reaped.is_ok(), "the worker was not reaped here: {reaped:?}");
+    assert!(escapee.alive(), "{escapee:?} ended with its worker");
+
+    let mut serve = Serve::start(&config, "serve2");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    let ended = db.wait_event(task, "worker_group_ended", SETTLE);
+    assert_eq!(ended.run_id, Some(run.id));
+    assert_eq!(ended.payload["ended_by"], "sigterm", "{ended:?}");
+    assert!(
+        wait_until(SETTLE, || !escapee.alive()),
+        "{escapee:?} outlived its dead worker\n{}",
+        db.history(task)
+    );
+    let closed = db.wait_event(task, "run_closed", SETTLE);
+    assert!(
+        closed.id > ended.id,
+        "the run is closed after its descendants are ended\n{}",
+        db.history(task)
+    );
+    assert_eq!(db.run(run.id).worker_pid, None, "evidence cleared");
+    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "serve exited {status:?}: {}",
+        serve.stderr()
+    );
+}
