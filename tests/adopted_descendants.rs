@@ -10,38 +10,29 @@
 #[allow(dead_code)]
 mod common;
 
-use common::lifecycle::{Db, View, open_gate, stop_serve, wait_for_gate, wait_run_procs};
+use common::lifecycle::{GatedEscapee, View, open_gate, start_gated_escapee, stop_serve};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir};
-use runwarden::board::{NewTask, TaskStatus, now_millis};
+use runwarden::board::TaskStatus;
 use runwarden::process::{Signal, read_stat};
 
 #[test]
 fn an_adopted_workers_escapee_is_ended_when_the_worker_exits() {
     let td = TestDir::new();
-    let gates = td.path().join("gates");
-    let worker = format!("setsid sleep 308 & {}; exit 0", wait_for_gate(60));
-    let config = td.write_config(
-        "tick = \"200ms\"\nshutdown = \"leave\"",
-        &format!(
-            "[reaper]\ngrace = \"1s\"\nkill_timeout = \"1s\"\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
-             env = {{ GATE_DIR = {gates:?} }}\n"
-        ),
-    );
     let _subreaper = runwarden::process::become_subreaper().expect("become a subreaper");
-    std::fs::create_dir_all(td.data_dir()).unwrap();
-    let mut db = Db::new(td.db_path());
-    let task = db.write(|tx| {
-        Ok(tx
-            .create_task(&NewTask::titled("w").for_assignee("w"), now_millis())?
-            .id)
-    });
-    let mut serve = Serve::start(&config, "serve");
-    serve.wait_ready(&td.lock_path(), &td.db_path());
-    db.wait_event(task, "worker_spawned", SETTLE);
-    let run = db.runs(task)[0].clone();
-    let escapee = wait_run_procs(&run.token, &["sleep 308"], SETTLE).remove(0);
+    let GatedEscapee {
+        mut serve,
+        mut db,
+        task,
+        run,
+        escapee,
+        gates,
+    } = start_gated_escapee(
+        &td,
+        308,
+        "tick = \"200ms\"\nshutdown = \"leave\"",
+        "[reaper]\ngrace = \"1s\"\nkill_timeout = \"1s\"",
+    );
     let _pin = escapee.pin();
     let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
     assert!(status.is_some_and(|s| s.success()), "{}", serve.stderr());
@@ -57,6 +48,7 @@ fn an_adopted_workers_escapee_is_ended_when_the_worker_exits() {
         nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(leader), None)
     });
 
+    let config = td.path().join("config.toml");
     let mut serve = Serve::start(&config, "serve2");
     serve.wait_ready(&td.lock_path(), &td.db_path());
     db.wait_event(task, "worker_adopted", SETTLE);

@@ -9,38 +9,28 @@
 #[allow(dead_code)]
 mod common;
 
-use common::lifecycle::{Db, View, open_gate, stop_serve, wait_for_gate, wait_run_procs};
+use common::lifecycle::{GatedEscapee, View, open_gate, start_gated_escapee, stop_serve};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir};
-use runwarden::board::{NewTask, now_millis};
 use runwarden::process::{Signal, read_stat};
 
 #[test]
 fn a_dead_workers_escapee_found_at_the_next_start_is_ended_and_recorded() {
     let td = TestDir::new();
-    let gates = td.path().join("gates");
-    let worker = format!("setsid sleep 310 & {}; exit 0", wait_for_gate(60));
-    let config = td.write_config(
-        "tick = \"200ms\"",
-        &format!(
-            "[reaper]\nkill_timeout = \"1s\"\n\n[retries]\nmax_retries = 0\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
-             env = {{ GATE_DIR = {gates:?} }}\n"
-        ),
-    );
     let _subreaper = runwarden::process::become_subreaper().expect("become a subreaper");
-    std::fs::create_dir_all(td.data_dir()).unwrap();
-    let mut db = Db::new(td.db_path());
-    let task = db.write(|tx| {
-        Ok(tx
-            .create_task(&NewTask::titled("w").for_assignee("w"), now_millis())?
-            .id)
-    });
-    let mut serve = Serve::start(&config, "serve");
-    serve.wait_ready(&td.lock_path(), &td.db_path());
-    db.wait_event(task, "worker_spawned", SETTLE);
-    let run = db.runs(task)[0].clone();
-    let escapee = wait_run_procs(&run.token, &["sleep 310"], SETTLE).remove(0);
+    let GatedEscapee {
+        mut serve,
+        mut db,
+        task,
+        run,
+        escapee,
+        gates,
+    } = start_gated_escapee(
+        &td,
+        310,
+        "tick = \"200ms\"",
+        "[reaper]\nkill_timeout = \"1s\"\n\n[retries]\nmax_retries = 0",
+    );
     let _pin = escapee.pin();
     // Killed: nothing ends or records anything on its way out.
     serve.signal(Signal::SIGKILL);
@@ -58,6 +48,7 @@ fn a_dead_workers_escapee_found_at_the_next_start_is_ended_and_recorded() {
     assert!(reaped.is_ok(), "the worker was not reaped here: {reaped:?}");
     assert!(escapee.alive(), "{escapee:?} ended with its worker");
 
+    let config = td.path().join("config.toml");
     let mut serve = Serve::start(&config, "serve2");
     serve.wait_ready(&td.lock_path(), &td.db_path());
     let ended = db.wait_event(task, "worker_group_ended", SETTLE);

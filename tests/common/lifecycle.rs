@@ -507,3 +507,65 @@ pub fn runwarden_cli(socket: &Path, args: &[&str], timeout: Duration) -> CliOutp
         stderr,
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// A worker that leaves an escapee behind
+// ---------------------------------------------------------------------------------------------
+
+/// A `serve` whose one task's worker starts a `setsid sleep <secs>` escapee (a carrier of the
+/// run's token outside the worker's group) and then waits for its gate, exiting 0 once it is
+/// opened ([`open_gate`] with `gates`, `task`).
+pub struct GatedEscapee {
+    pub serve: Serve,
+    pub db: Db,
+    pub task: TaskId,
+    pub run: Run,
+    /// The escapee, seen running (pin it to keep it from being mistaken after it ends).
+    pub escapee: Seen,
+    pub gates: PathBuf,
+}
+
+/// Starts [`GatedEscapee`] on a fresh board in `td`: `supervisor_keys` go under
+/// `[supervisor]` (tick, shutdown…), `sections` after the `[assignees.w]` table's
+/// predecessors (`[reaper]`, `[retries]`…).
+pub fn start_gated_escapee(
+    td: &super::runtime::TestDir,
+    secs: u32,
+    supervisor_keys: &str,
+    sections: &str,
+) -> GatedEscapee {
+    let gates = td.path().join("gates");
+    let worker = format!("setsid sleep {secs} & {}; exit 0", wait_for_gate(60));
+    let config = td.write_config(
+        supervisor_keys,
+        &format!(
+            "{sections}\n\n[assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n\
+             env = {{ GATE_DIR = {gates:?} }}\n"
+        ),
+    );
+    fs::create_dir_all(td.data_dir()).unwrap();
+    let mut db = Db::new(td.db_path());
+    let task = db.write(|tx| {
+        Ok(tx
+            .create_task(&NewTask::titled("w").for_assignee("w"), board::now_millis())?
+            .id)
+    });
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    db.wait_event(task, "worker_spawned", super::runtime::SETTLE);
+    let run = db.runs(task)[0].clone();
+    let escapee = wait_run_procs(
+        &run.token,
+        &[&format!("sleep {secs}")],
+        super::runtime::SETTLE,
+    )
+    .remove(0);
+    GatedEscapee {
+        serve,
+        db,
+        task,
+        run,
+        escapee,
+        gates,
+    }
+}
