@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::lifecycle::{Db, View, runwarden_cli, write};
+use common::lifecycle::{Db, View, runwarden_cli, serial, write};
 use common::proc_guard::wait_until;
 use common::runtime::{
     Serve, TestDir, WorkerGuard, add_to_board, lib_config, wait_worker, wait_worker_in_board,
@@ -18,6 +18,11 @@ use runwarden::Supervisor;
 use runwarden::board::{NewTask, RunOutcome, TaskId, TaskStatus};
 use runwarden::config::{AssigneeConfig, Config, ShutdownMode};
 use runwarden::process::Signal;
+
+/// The two tests must not overlap: the library one makes this process a subreaper, and the
+/// other's worker, left running by its first `serve`, must be nobody's child (re-parented to
+/// init), as after a real restart.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Far longer than the test waits for the worker to be ended.
 const GRACE: Duration = Duration::from_secs(120);
@@ -49,6 +54,7 @@ fn assert_completed_and_archived(db: &mut Db, task: TaskId) {
 
 #[test]
 fn archiving_a_done_task_ends_its_lingering_worker_now() {
+    let _serial = serial(&SERIAL);
     let td = TestDir::new();
     let sup = Supervisor::start(config(&td)).expect("start");
     let task = sup
@@ -76,6 +82,7 @@ fn archiving_a_done_task_ends_its_lingering_worker_now() {
 fn archiving_ends_a_previous_supervisors_lingering_worker_too() {
     // Real processes: the worker outlives the first `serve` (a `leave` stop) and is then
     // nobody's child, as after any restart.
+    let _serial = serial(&SERIAL);
     let td = TestDir::new();
     let config = td.write_config(
         "tick = \"100ms\"",

@@ -323,10 +323,14 @@ impl Serve {
             }
         }
         cmd.envs(env.iter().copied());
-        Serve {
-            child: ChildGuard::spawn(&mut cmd).expect("spawn runwarden serve"),
-            stderr_path,
-        }
+        // Registered as owned, for good: an in-process supervisor of another test in this
+        // binary makes the process a subreaper that reaps the zombies of children it does not
+        // own, and would take this one's exit status from under `wait_exit`.
+        let owned = process::owned::spawning();
+        let child = ChildGuard::spawn(&mut cmd).expect("spawn runwarden serve");
+        owned.register(child.pid());
+        drop(owned);
+        Serve { child, stderr_path }
     }
 
     pub fn pid(&self) -> Pid {
