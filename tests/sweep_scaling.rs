@@ -28,9 +28,7 @@ const READS_SRC: &str = include_str!("../src/board/reads.rs");
 const TERMINAL_REAP_CANDIDATES: &str = "SELECT id, task_id, worker_pid, worker_boot_id, \
      worker_start_ticks, ended_at, token FROM task_runs \
      WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL AND ended_at <= ?1 \
-     AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') \
-     AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = task_runs.task_id \
-     AND t.status = 'archived') THEN ?2 ELSE 0 END \
+     AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END \
      AND worker_boot_id IS NOT NULL AND worker_start_ticks IS NOT NULL ORDER BY ended_at";
 /// `Tx::open_runs` (src/board/reads.rs), with the column list it formats in.
 const OPEN_RUNS: &str = "SELECT id, task_id, attempt, assignee, token, claimer, outcome, \
@@ -54,15 +52,7 @@ const SOURCE_FRAGMENTS: &[(&str, &str)] = &[
     (REAPER_SRC, "ORDER BY ended_at\""),
     (
         REAPER_SRC,
-        "AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') \\",
-    ),
-    (
-        REAPER_SRC,
-        "AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = task_runs.task_id \\",
-    ),
-    (
-        REAPER_SRC,
-        "AND t.status = 'archived') THEN ?2 ELSE 0 END \\",
+        "AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END",
     ),
     (
         READS_SRC,

@@ -254,16 +254,17 @@ impl ReaperActor {
                 // A run no longer a candidate has had its evidence cleared: nothing to wait for.
                 act.ending
                     .retain(|run_id, _| all.iter().any(|c| c.run_id == *run_id));
-                let due_ids: HashSet<RunId> = due.iter().map(|c| c.run_id).collect();
-                // Its timer still waits, but its task was archived (which makes a closed run's
-                // worker due at once): brought forward here too, so a missed `TaskArchived` (a
-                // lagging feed) costs a tick, not the rest of the grace. Only then: a run due
-                // by the wall clock alone (it jumped forward) keeps its grace, on its timer.
-                for run_id in &archived {
-                    if let Some(p) = act.pending.remove(run_id) {
-                        ctx.cancel_future(p.timer);
-                        act.fire(p.closed, ctx);
-                    }
+                // A closed run of an archived task is due at once, whatever its grace; one
+                // whose timer still waits has it brought forward here too, so a missed
+                // `TaskArchived` (a lagging feed) costs a tick, not the rest of the grace. Only
+                // then: a run due by the wall clock alone (it jumped forward) keeps its timer.
+                let due_ids: HashSet<RunId> = due
+                    .iter()
+                    .map(|c| c.run_id)
+                    .chain(archived.iter().copied())
+                    .collect();
+                for &run_id in &archived {
+                    act.fire_now(run_id, ctx);
                 }
                 // Due ones first: probes of runs within their grace never crowd them out.
                 let (due, early): (Vec<_>, Vec<_>) = all
@@ -369,14 +370,23 @@ impl Handler<TaskArchived> for ReaperActor {
 }
 
 impl ReaperActor {
+    /// Fires `run_id`'s scheduled kill now, if one waits; false if none does.
+    fn fire_now(&mut self, run_id: RunId, ctx: &mut Context<Self>) -> bool {
+        let Some(p) = self.pending.remove(&run_id) else {
+            return false;
+        };
+        ctx.cancel_future(p.timer);
+        self.fire(p.closed, ctx);
+        true
+    }
+
     /// Ends the worker of closed run `run` (its evidence still on the row) now: through the
     /// kill scheduled for it, brought forward; else through its own WorkerActor; else, a
     /// previous incarnation's, under the fingerprint rules as the sweep would.
     fn end_now(&mut self, run: board::Run, ctx: &mut Context<Self>) {
         // As if its grace were over: a terminal reap (its `terminal_worker_reaped` event).
-        if let Some(p) = self.pending.remove(&run.id) {
-            ctx.cancel_future(p.timer);
-            return self.fire(p.closed, ctx);
+        if self.fire_now(run.id, ctx) {
+            return;
         }
         if let Some(worker) = self.owned.get(&run.id).cloned()
             && worker.connected()

@@ -40,16 +40,9 @@ pub enum ReapVerdict {
 }
 
 impl Tx<'_> {
-    /// Closed runs with worker evidence whose worker is due: a run its worker closed itself
-    /// (`completed`, `blocked`) after `grace` — at once once its task is archived (archiving
-    /// puts the task away, a hung worker with it) — a run closed by force (archived,
-    /// reclaimed, timed out, stale, crashed) at once. Rows without a complete fingerprint (legacy) are
-    /// never selected. Uses the `runs_evidence` partial index, so the cost follows the rows
-    /// still holding evidence, not the history. A row that cannot be decoded is logged and
-    /// skipped, never allowed to stop the sweep.
-    /// Closed runs still holding worker evidence whose task is archived: the ones the sweep
-    /// may end before their grace is over (see [`Self::terminal_reap_candidates`]). Through
-    /// the `runs_evidence` partial index, as that one.
+    /// Closed runs still holding worker evidence whose task is archived: their workers are due
+    /// at once, whatever their grace (archiving puts the task away, a hung worker with it).
+    /// Through the `runs_evidence` partial index, as [`Self::terminal_reap_candidates`].
     pub fn archived_runs_with_evidence(&self) -> Result<std::collections::HashSet<RunId>> {
         let mut stmt = self.conn.prepare_cached(
             "SELECT r.id FROM task_runs r JOIN tasks t ON t.id = r.task_id \
@@ -60,6 +53,12 @@ impl Tx<'_> {
         Ok(ids.collect::<rusqlite::Result<_>>()?)
     }
 
+    /// Closed runs with worker evidence whose worker is due: a run its worker closed itself
+    /// (`completed`, `blocked`) after `grace`, a run closed by force (archived, reclaimed,
+    /// timed out, stale, crashed) at once. Rows without a complete fingerprint (legacy) are
+    /// never selected. Uses the `runs_evidence` partial index, so the cost follows the rows
+    /// still holding evidence, not the history. A row that cannot be decoded is logged and
+    /// skipped, never allowed to stop the sweep.
     pub fn terminal_reap_candidates(
         &self,
         now: Millis,
@@ -69,9 +68,7 @@ impl Tx<'_> {
             "SELECT id, task_id, worker_pid, worker_boot_id, worker_start_ticks, ended_at, token \
              FROM task_runs \
              WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL AND ended_at <= ?1 \
-               AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') \
-                 AND NOT EXISTS (SELECT 1 FROM tasks t WHERE t.id = task_runs.task_id \
-                                 AND t.status = 'archived') THEN ?2 ELSE 0 END \
+               AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END \
                AND worker_boot_id IS NOT NULL AND worker_start_ticks IS NOT NULL \
              ORDER BY ended_at",
         )?;

@@ -8,6 +8,7 @@
 mod reconcile;
 #[doc(hidden)]
 pub use reconcile::delay_reconciles;
+mod retention;
 
 /// See [`delay_run_closed`].
 static RUN_CLOSED_DELAY_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -21,7 +22,6 @@ pub fn delay_run_closed(delay: Duration) {
         std::sync::atomic::Ordering::SeqCst,
     );
 }
-mod retention;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
