@@ -129,7 +129,12 @@ fn a_wait_whose_supervisor_does_not_come_back_exits_3() {
     let wait_err = d.dir.path().join("wait.stderr");
     let mut waiting = connected_cli(&d, &["wait", &task], &wait_err, "1s");
     d.stop();
-    assert_eq!(exit_code(&mut waiting), Some(3));
+    assert_eq!(
+        exit_code(&mut waiting),
+        Some(3),
+        "wait: {}",
+        fs::read_to_string(&wait_err).unwrap_or_default()
+    );
     let said = fs::read_to_string(&wait_err).unwrap();
     assert!(
         said.contains("lost the supervisor") && said.contains("could not reach it again"),

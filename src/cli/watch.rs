@@ -567,11 +567,22 @@ fn status_after(kind: &str) -> Option<TaskStatus> {
 /// restart (exit 3 if it does not come back within `RUNWARDEN_CONNECT_WAIT`).
 pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
     let deadline = args.timeout.map(crate::deadline_after);
-    let mut client = connect(cli)?;
     let progress = std::io::stderr().is_terminal() && !out.json;
     let mut state: BTreeMap<TaskId, TaskStatus> = BTreeMap::new();
     let mut timed_out = false;
     let mut reconnects = Reconnects::default();
+    let mut client = match super::try_connect(&super::socket_path(cli)?, super::reply_timeout()?) {
+        Ok(client) => client,
+        // Reached, but it closed (or refused) during the hello: a supervisor stopping (a
+        // restart), ridden out as any loss. Nothing listening at all is an error at once.
+        Err(e) if super::is_passing(&e) && !matches!(e, ClientError::NotRunning { .. }) => {
+            match reconnects.reconnect(cli, &e, deadline)? {
+                Some(client) => client,
+                None => return report_wait(&out, &state, true),
+            }
+        }
+        Err(e) => return Err(e.into()),
+    };
     loop {
         match wait_on(&mut client, args, deadline, progress, &mut state)? {
             Waited::Settled => break,
