@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
+use super::dispatcher::OwnedWorkers;
 use super::store::Store;
 use super::worker::{Terminate, TerminateReason, WorkerActor};
 use crate::board::{self, Millis, ReapCandidate, ReapVerdict, RunId, TaskId, now_millis};
@@ -52,6 +53,11 @@ pub struct TaskArchived {
     pub task_id: TaskId,
 }
 
+/// The dispatcher, to ask which closed runs still have a WorkerActor (see `sweep`).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct DispatcherIs(pub Recipient<OwnedWorkers>);
+
 /// Run the board sweep now (also on every tick); answers with the number of runs examined.
 #[derive(Message)]
 #[rtype(result = "usize")]
@@ -81,8 +87,11 @@ pub struct ReaperActor {
     ending: HashMap<RunId, Instant>,
     /// When this incarnation started. Only runs closed before it can be a previous
     /// incarnation's unwatched worker; a later close is this incarnation's own (its worker
-    /// watched by a WorkerActor, its RunClosed maybe still on its way).
+    /// watched by a WorkerActor, its RunClosed maybe still on its way, or lost to a lagging
+    /// event feed), which the sweep asks the dispatcher about ([`OwnedWorkers`]).
     started_at: Millis,
+    /// Where to ask that; set once the dispatcher has started ([`DispatcherIs`]).
+    dispatcher: Option<Recipient<OwnedWorkers>>,
 }
 
 impl ReaperActor {
@@ -98,15 +107,8 @@ impl ReaperActor {
             in_flight: HashSet::new(),
             ending: HashMap::new(),
             started_at: now_millis(),
+            dispatcher: None,
         }
-    }
-
-    /// How long after its close a run closed during this incarnation is left to its
-    /// `RunClosed` (on its way from the dispatcher, with the worker's actor) before the sweep
-    /// takes it for one nobody watches: a sweep that read the closed run first would start
-    /// a second kill of the same worker beside its actor's — a second SIGTERM.
-    fn settle_ms(&self) -> i64 {
-        (2 * self.tick + Duration::from_secs(1)).as_millis() as i64
     }
 
     /// How long a WorkerActor's own kill of its worker is left alone by the sweep: longer than
@@ -234,10 +236,12 @@ impl ReaperActor {
     fn sweep(&mut self, ctx: &mut Context<Self>) {
         let grace_ms = self.grace.as_millis() as i64;
         let store = self.store.clone();
+        let dispatcher = self.dispatcher.clone();
+        let started_at = self.started_at;
         async move {
             // Reads: the read-only connection, not a write transaction on every tick. The
             // second one adds the runs still within their grace.
-            store
+            let (due, all, archived) = store
                 .read(move |tx| {
                     let now = board::now_millis();
                     let due = tx.terminal_reap_candidates(now, grace_ms)?;
@@ -246,11 +250,32 @@ impl ReaperActor {
                     let archived = tx.archived_runs_with_evidence()?;
                     Ok((due, all, archived))
                 })
-                .await
+                .await?;
+            // Which runs closed during this incarnation still have their worker's actor.
+            let ours: Vec<RunId> = all
+                .iter()
+                .filter(|c| c.ended_at >= started_at)
+                .map(|c| c.run_id)
+                .collect();
+            let owners = match dispatcher {
+                _ if ours.is_empty() => Some(Vec::new()),
+                // Unknown (no dispatcher yet, or it is stopping): those runs wait a sweep.
+                None => None,
+                Some(d) => d.send(OwnedWorkers(ours)).await.ok(),
+            };
+            Ok::<_, super::store::StoreError>((due, all, archived, owners))
         }
         .into_actor(self)
-        .map(|res, act, ctx| match res {
-            Ok((due, all, archived)) => {
+        .map(move |res, act, ctx| match res {
+            Ok((due, all, archived, owners)) => {
+                // A stopped worker actor's entry is only a leftover (its WorkerGone raced).
+                act.owned.retain(|_, w| w.connected());
+                let owners_known = owners.is_some();
+                for (run_id, w) in owners.into_iter().flatten() {
+                    if w.connected() {
+                        act.owned.entry(run_id).or_insert(w);
+                    }
+                }
                 // A run no longer a candidate has had its evidence cleared: nothing to wait for.
                 act.ending
                     .retain(|run_id, _| all.iter().any(|c| c.run_id == *run_id));
@@ -276,13 +301,12 @@ impl ReaperActor {
                     })
                     .partition(|c| due_ids.contains(&c.run_id));
                 // Early only for runs closed before this incarnation started: nothing else
-                // watches their workers. A due run closed since is left to its RunClosed for a
-                // moment (see `settle_ms`).
-                let started_at = act.started_at;
-                let settled = board::now_millis() - act.settle_ms();
+                // watches their workers. A due run closed since goes to its own WorkerActor
+                // when it has one (asked above); whether it has is unknown only while there
+                // is no dispatcher to ask, and then it waits for a later sweep.
                 let due = due
                     .into_iter()
-                    .filter(|c| c.ended_at < started_at || c.ended_at <= settled);
+                    .filter(|c| c.ended_at < started_at || owners_known);
                 let early = early.into_iter().filter(|c| c.ended_at < started_at);
                 let todo: Vec<_> = due.into_iter().chain(early).take(SWEEP_BATCH).collect();
                 for c in todo {
@@ -331,6 +355,13 @@ impl Handler<RunClosed> for ReaperActor {
         let (run_id, closed) = (msg.run_id, msg.clone());
         let timer = ctx.run_later(delay, move |act, ctx| act.fire(msg, ctx));
         self.pending.insert(run_id, Pending { timer, closed });
+    }
+}
+
+impl Handler<DispatcherIs> for ReaperActor {
+    type Result = ();
+    fn handle(&mut self, msg: DispatcherIs, _: &mut Self::Context) {
+        self.dispatcher = Some(msg.0);
     }
 }
 

@@ -168,6 +168,14 @@ fn a_tasks_max_runtime_overrides_its_assignees_and_zero_means_none() {
 #[rtype(result = "Vec<(RunId, TaskId, Option<i32>)>")]
 pub struct LiveWorkers;
 
+/// Which of `runs` have a live WorkerActor of this incarnation, with its address: the reaper's
+/// sweep asks before it takes a run closed during this incarnation for one nobody watches.
+/// Ownership, not timing: a `RunClosed` still on its way, or lost to a lagging event feed,
+/// never makes the sweep start a second kill of a worker its own actor holds.
+#[derive(Message)]
+#[rtype(result = "Vec<(RunId, Addr<WorkerActor>)>")]
+pub struct OwnedWorkers(pub Vec<RunId>);
+
 /// Stop claiming. With `terminate`, also end every live worker (their runs are released
 /// first, so the tasks go back to `ready` without counting a failure) and answer once they
 /// have all exited or `kill_timeout` + 2 s have passed.
@@ -732,6 +740,9 @@ impl Actor for DispatcherActor {
                 lagging.do_send(Kick);
             },
         );
+        self.reaper.do_send(crate::actors::reaper::DispatcherIs(
+            ctx.address().recipient(),
+        ));
         ctx.run_interval(self.config.supervisor.tick, |act, ctx| act.tick(ctx));
         self.reconcile(ctx);
         self.pass(ctx);
@@ -798,6 +809,18 @@ impl Handler<WorkerFinished> for DispatcherActor {
         if !msg.refilled {
             self.pass(ctx);
         }
+    }
+}
+
+impl Handler<OwnedWorkers> for DispatcherActor {
+    type Result = MessageResult<OwnedWorkers>;
+    fn handle(&mut self, msg: OwnedWorkers, _: &mut Self::Context) -> Self::Result {
+        MessageResult(
+            msg.0
+                .into_iter()
+                .filter_map(|r| self.workers.get(&r).map(|w| (r, w.addr.clone())))
+                .collect(),
+        )
     }
 }
 
