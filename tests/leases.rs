@@ -10,7 +10,8 @@
 //!   never signalled, never released — and `reclaim_deferred` is recorded once its lease expired;
 //! - `stale_after`: a worker without a heartbeat for that long is ended and its run closed
 //!   `stale`, under its assignee's retry rules — counted only while a supervisor listens: a
-//!   heartbeating worker adopted after a restart longer than `stale_after` is not stale;
+//!   heartbeating worker adopted after a restart longer than `stale_after` is not stale, and a
+//!   silent one is found stale across restarts each shorter than `stale_after`;
 //! - `runwarden archive` / `runwarden reclaim` of a running task close its run, then end its
 //!   worker's whole group.
 
@@ -207,6 +208,60 @@ fn a_heartbeating_worker_is_not_stale_for_the_time_no_supervisor_listened() {
     assert_eq!(runs.len(), 1, "never closed stale: {}", sup.history(task));
     assert_eq!(runs[0].outcome, Some(RunOutcome::Completed));
     sup.shutdown();
+}
+
+#[test]
+fn a_silent_worker_is_stale_across_restarts_each_shorter_than_stale_after() {
+    let td = TestDir::new();
+    // Each incarnation listens 700 ms, under stale_after; their silence adds up. The short ttl
+    // makes each refresh its leases often (a third of it), which is how the next one knows
+    // how long its predecessor listened.
+    let stale_after = Duration::from_millis(1500);
+    let listen = Duration::from_millis(700);
+    let mut config = lib_config(&td);
+    config.leases.stale_after = stale_after;
+    config.leases.claim_ttl = Duration::from_millis(300);
+    config.supervisor.shutdown = ShutdownMode::Leave;
+    config.retries.max_retries = 0;
+    config
+        .assignees
+        .insert("w".into(), sh_assignee("sleep 300 & wait"));
+    let (task, worker) = leave_one_worker(&td, &config);
+
+    let mut db = Db::new(td.db_path());
+    let mut incarnations = 1;
+    let stale = loop {
+        let mut sup = Supervisor::start(config.clone()).expect("start another incarnation");
+        incarnations += 1;
+        if wait_until(listen, || db.runs(task)[0].outcome.is_some()) {
+            sup.wait_status(task, TaskStatus::Blocked, SETTLE);
+            let ended = wait_until(SETTLE, || !worker.alive());
+            sup.shutdown();
+            assert!(
+                ended,
+                "the stale worker was not ended\n{}",
+                db.history(task)
+            );
+            break db.runs(task)[0].clone();
+        }
+        sup.shutdown();
+        assert!(
+            incarnations < 8,
+            "never closed stale after {incarnations} incarnations of {listen:?} each\n{}",
+            db.history(task)
+        );
+    };
+    assert_eq!(
+        stale.outcome,
+        Some(RunOutcome::Stale),
+        "{}",
+        db.history(task)
+    );
+    // At least stale_after of silence was heard: three incarnations or more.
+    assert!(
+        incarnations >= 3,
+        "closed stale in incarnation {incarnations}"
+    );
 }
 
 #[test]

@@ -223,6 +223,9 @@ struct Worker {
     token: String,
     /// Its leader's exit waits to be recorded ([`ExitPending`]).
     exit_pending: bool,
+    /// For a worker adopted from an earlier incarnation, the silence (no heartbeat) those
+    /// heard from it, in ms, for `stale_after` (`reconcile::silence_heard_before`); 0 otherwise.
+    heard_before: i64,
 }
 
 /// The actor.
@@ -439,6 +442,7 @@ impl DispatcherActor {
                 exit_seen: false,
                 token,
                 exit_pending: false,
+                heard_before: 0,
             },
         );
     }

@@ -96,12 +96,99 @@ impl Probe {
     }
 }
 
-/// When a run's worker was last heard of, for `stale_after`: its last heartbeat (else its
-/// start), but never before `watching_since`, when this incarnation began to listen.
-fn last_heard(run: &board::Run, watching_since: board::Millis) -> board::Millis {
-    run.heartbeat_at
-        .unwrap_or(run.started_at)
-        .max(watching_since)
+/// How long a run's worker has been silent while a supervisor listened, for `stale_after`:
+/// since its last heartbeat (else its start), not counting the time no supervisor ran before
+/// this one (a worker's beats wait to reconnect then). `heard_before` is the silence earlier
+/// incarnations heard ([`silence_heard_before`], taken when the worker was adopted): without
+/// it a supervisor restarted more often than `stale_after` would never find a hung worker
+/// stale.
+fn silent_for(
+    run: &board::Run,
+    watching_since: board::Millis,
+    heard_before: i64,
+    now: board::Millis,
+) -> i64 {
+    let heard = run.heartbeat_at.unwrap_or(run.started_at);
+    if heard >= watching_since {
+        return now - heard;
+    }
+    heard_before + (now - watching_since)
+}
+
+/// The silence the supervisors before this one heard from an adopted run's worker: from its
+/// last heartbeat (else its start) to the last time one of them refreshed its lease
+/// (`lease_expires_at − claim_ttl`; a supervisor refreshes its workers' leases every third of
+/// the ttl, and a heartbeat does too). Read from the row as found, before this incarnation
+/// refreshes it. That supervisor may have run a third of a ttl longer: that much silence can
+/// go uncounted. A gap between two earlier supervisors with no heartbeat on either side of it
+/// is counted (the row keeps only the last refresh).
+pub(super) fn silence_heard_before(
+    run: &board::Run,
+    watching_since: board::Millis,
+    ttl_ms: i64,
+) -> i64 {
+    let heard = run.heartbeat_at.unwrap_or(run.started_at);
+    let listened_until = run
+        .lease_expires_at
+        .saturating_sub(ttl_ms)
+        .clamp(heard, watching_since.max(heard));
+    listened_until - heard
+}
+
+#[test]
+fn silence_counts_only_while_a_supervisor_listened() {
+    let run = |started_at, heartbeat_at, lease_expires_at| board::Run {
+        id: 1,
+        task_id: 1,
+        attempt: 1,
+        assignee: None,
+        token: String::new(),
+        claimer: String::new(),
+        outcome: None,
+        started_at,
+        ended_at: None,
+        lease_expires_at,
+        heartbeat_at,
+        spawned_pid: None,
+        worker_pid: None,
+        worker_boot_id: None,
+        worker_start_ticks: None,
+        exit_code: None,
+        exit_signal: None,
+        error: None,
+        summary: None,
+        log_start: None,
+    };
+    let ttl = 1_000;
+    // Claimed by this incarnation: since its start, or its last beat.
+    assert_eq!(silent_for(&run(5_000, None, 6_000), 4_000, 0, 9_000), 4_000);
+    assert_eq!(
+        silent_for(&run(5_000, Some(8_000), 9_000), 4_000, 0, 9_000),
+        1_000
+    );
+    // Adopted: the earlier incarnation listened from its start to its last refresh (2 500),
+    // nobody from then to 4 000, this one since.
+    let adopted = run(1_000, None, 3_500);
+    let before = silence_heard_before(&adopted, 4_000, ttl);
+    assert_eq!(before, 1_500);
+    assert_eq!(silent_for(&adopted, 4_000, before, 5_000), 1_500 + 1_000);
+    // A beat that landed since counts from itself.
+    assert_eq!(
+        silent_for(&run(1_000, Some(4_500), 5_500), 4_000, before, 5_000),
+        500
+    );
+    // Its last beat refreshed the lease: nothing heard before this incarnation.
+    assert_eq!(
+        silence_heard_before(&run(1_000, Some(2_000), 3_000), 4_000, ttl),
+        0
+    );
+    // A lease longer than the ttl now (the config changed) never counts time past the start.
+    assert_eq!(
+        silence_heard_before(&run(1_000, None, 90_000), 4_000, ttl),
+        3_000
+    );
+    // Nor one shorter: never less than nothing.
+    assert_eq!(silence_heard_before(&run(1_000, None, 500), 4_000, ttl), 0);
 }
 
 impl DispatcherActor {
@@ -188,11 +275,13 @@ impl DispatcherActor {
                 }
                 let exit_pending = self.workers.get(&run.id).is_some_and(|w| w.exit_pending);
                 if !stale_after.is_zero() && !exit_pending {
-                    let last = last_heard(&run, self.watching_since);
-                    if now - last > stale_after.as_millis() as i64 {
+                    let before = self.workers.get(&run.id).map_or(0, |w| w.heard_before);
+                    if silent_for(&run, self.watching_since, before, now)
+                        > stale_after.as_millis() as i64
+                    {
                         // A stale run is a failure of its task like any other: its assignee's
                         // max_retries and backoff apply (not the global default, not zero).
-                        stale.push((run.id, self.policy_for(&task)));
+                        stale.push((run.id, self.policy_for(&task), before));
                     }
                 }
                 ours.push(run.id);
@@ -219,13 +308,13 @@ impl DispatcherActor {
                         for &run_id in &ours {
                             tx.extend_lease(run_id, now, lease_ms)?;
                         }
-                        for (run_id, policy) in &stale {
-                            let run_id = *run_id;
+                        for (run_id, policy, before) in &stale {
+                            let (run_id, before) = (*run_id, *before);
                             // Judged on a snapshot read before this transaction: a heartbeat
                             // committed since then wins (the worker is not stale after all).
                             let still_stale = tx
                                 .get_run(run_id)
-                                .is_ok_and(|run| now - last_heard(&run, since) > stale_ms);
+                                .is_ok_and(|run| silent_for(&run, since, before, now) > stale_ms);
                             if !still_stale {
                                 continue;
                             }
@@ -377,6 +466,10 @@ impl DispatcherActor {
                 );
                 let pid = run.worker_pid.map(|p| p as i32);
                 self.run_worker(worker, run_id, task.id, pid, run.token.clone());
+                if let Some(w) = self.workers.get_mut(&run_id) {
+                    let ttl_ms = self.config.leases.claim_ttl.as_millis() as i64;
+                    w.heard_before = silence_heard_before(&run, self.watching_since, ttl_ms);
+                }
                 let store = self.store.clone();
                 let lease_ms = self.config.leases.claim_ttl.as_millis() as i64;
                 actix_rt::spawn(async move {
