@@ -201,22 +201,23 @@ impl ReaperActor {
                 c.token = Some(run.token);
             }
             let cand = c.clone();
-            let verdict = actix_rt::task::spawn_blocking(move || {
+            let reap = actix_rt::task::spawn_blocking(move || {
                 if early && !matches!(process::liveness(cand.pid, &cand.fingerprint), process::Liveness::Dead(_)) {
-                    return Ok(ReapVerdict::Unknown("within its grace and not proven dead".into()));
+                    let why = "within its grace and not proven dead".into();
+                    return Ok(board::Reap { verdict: ReapVerdict::Unknown(why), escapees: None });
                 }
                 board::reap_one(&cand, &PidfdSignaller, kill)
             })
                 .await
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
+            let verdict = reap.verdict.clone();
             if let ReapVerdict::Unknown(why) = &verdict {
                 tracing::debug!(run_id = c.run_id, pid = c.pid, %why, "reaper: liveness unknown; kept for a later sweep");
                 return Ok(verdict);
             }
-            let v = verdict.clone();
             store
-                .with_tx(move |tx, now| tx.record_reap(&c, &v, now))
+                .with_tx(move |tx, now| tx.record_reap(&c, &reap, now))
                 .await
                 .map_err(|e| e.to_string())?;
             Ok::<_, String>(verdict)

@@ -29,7 +29,7 @@ pub use dispatch::{
     plan_claims,
 };
 pub use reads::{DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT};
-pub use reaper::{ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
+pub use reaper::{Reap, ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
 pub use runs::{ExitInfo, FailResult, RecordedExit};
 pub use schema::SCHEMA_VERSION;
 pub use tasks::{MAX_NAME_BYTES, MAX_RUNTIME_MS};

@@ -12,6 +12,7 @@ use serde_json::json;
 
 use super::types::{Millis, RunId, TaskId};
 use super::{Board, Result, Tx};
+use crate::process::descendants::CarriersEnded;
 use crate::process::{self, DeadReason, Ended, Fingerprint, Liveness, Signaller};
 
 /// A closed run that still holds worker evidence and whose grace has passed.
@@ -24,6 +25,15 @@ pub struct ReapCandidate {
     pub ended_at: Millis,
     /// The run's token, to find descendants that escaped the worker's group.
     pub token: Option<String>,
+}
+
+/// One reap: the verdict on the recorded leader, and what of its tree outside its group
+/// (descendants carrying the run's token) was ended with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reap {
+    pub verdict: ReapVerdict,
+    /// `None` when they were not looked for (no token, or an `Unknown` verdict).
+    pub escapees: Option<CarriersEnded>,
 }
 
 /// What happened to one candidate; the evidence is cleared for every verdict but `Unknown`.
@@ -103,13 +113,11 @@ impl Tx<'_> {
     }
 
     /// Writes the outcome of one reap decision: clears the evidence (compare-and-swap on the
-    /// values read) and appends the event that says why. `Unknown` writes nothing.
-    pub fn record_reap(
-        &self,
-        c: &ReapCandidate,
-        verdict: &ReapVerdict,
-        now: Millis,
-    ) -> Result<bool> {
+    /// values read) and appends the event that says why. `Unknown` writes nothing. A leader
+    /// already gone whose escaped descendants were ended has that said too, as for any
+    /// worker whose tree outlived it (`worker_group_ended`, after the leader's event).
+    pub fn record_reap(&self, c: &ReapCandidate, reap: &Reap, now: Millis) -> Result<bool> {
+        let verdict = &reap.verdict;
         let base = json!({
             "pid": c.pid,
             "boot_id": c.fingerprint.boot_id,
@@ -127,7 +135,23 @@ impl Tx<'_> {
             ReapVerdict::Recycled => ("terminal_worker_pid_recycled", base.clone()),
             ReapVerdict::Unknown(_) => return Ok(false),
         };
-        self.clear_worker_evidence(c.run_id, c.pid, Some(&c.fingerprint), kind, payload, now)
+        let cleared =
+            self.clear_worker_evidence(c.run_id, c.pid, Some(&c.fingerprint), kind, payload, now)?;
+        if cleared
+            && let Some(ended) = reap.escapees
+            && ended.count > 0
+            && !matches!(verdict, ReapVerdict::Reaped(_))
+        {
+            let how = if ended.sigkill { "sigkill" } else { "sigterm" };
+            self.append_event(
+                Some(c.task_id),
+                Some(c.run_id),
+                "worker_group_ended",
+                json!({ "pid": c.pid, "ended_by": how }),
+                now,
+            )?;
+        }
+        Ok(cleared)
     }
 }
 
@@ -138,7 +162,7 @@ pub fn reap_one(
     c: &ReapCandidate,
     signaller: &dyn Signaller,
     kill_timeout: Duration,
-) -> std::result::Result<ReapVerdict, process::ProcessError> {
+) -> std::result::Result<Reap, process::ProcessError> {
     // `terminate` verifies identity itself (through a pidfd) and signals nothing that is not
     // provably the recorded process; a zombie leader with live group members is still ended.
     let verdict = match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
@@ -147,17 +171,22 @@ pub fn reap_one(
     };
     // Descendants that left the group (setsid) outlive a leader already reaped by its parent;
     // they still carry the run's token. (Not for Unknown: nothing is decided about that run.)
+    let mut reap = Reap {
+        verdict,
+        escapees: None,
+    };
     if let Some(token) = &c.token
-        && !matches!(verdict, ReapVerdict::Unknown(_))
+        && !matches!(reap.verdict, ReapVerdict::Unknown(_))
     {
         // One that survives SIGKILL fails the row: its evidence stays, the next sweep retries.
         let carriers = process::descendants::end_token_carriers(token, kill_timeout)?;
         // The tree needed SIGKILL if any of it did.
-        if carriers.sigkill && matches!(verdict, ReapVerdict::Reaped(Ended::Sigterm)) {
-            return Ok(ReapVerdict::Reaped(Ended::Sigkill));
+        if carriers.sigkill && matches!(reap.verdict, ReapVerdict::Reaped(Ended::Sigterm)) {
+            reap.verdict = ReapVerdict::Reaped(Ended::Sigkill);
         }
+        reap.escapees = Some(carriers);
     }
-    Ok(verdict)
+    Ok(reap)
 }
 
 fn verdict_for(l: Liveness) -> ReapVerdict {
@@ -183,19 +212,19 @@ pub fn reap_terminal_workers(
     let candidates = board.read(|tx| tx.terminal_reap_candidates(now, grace.as_millis() as i64))?;
     let mut reaped = Vec::new();
     for c in &candidates {
-        let verdict = match reap_one(c, signaller, kill_timeout) {
-            Ok(v) => v,
+        let reap = match reap_one(c, signaller, kill_timeout) {
+            Ok(r) => r,
             Err(e) => {
                 tracing::warn!(run_id = c.run_id, pid = c.pid, error = %e, "terminal reaper: skipping run");
                 continue;
             }
         };
-        if let ReapVerdict::Unknown(why) = &verdict {
+        if let ReapVerdict::Unknown(why) = &reap.verdict {
             tracing::debug!(run_id = c.run_id, pid = c.pid, %why, "terminal reaper: liveness unknown, kept");
             continue;
         }
-        match board.write(|tx| tx.record_reap(c, &verdict, now)) {
-            Ok(_) if matches!(verdict, ReapVerdict::Reaped(_)) => reaped.push(c.task_id),
+        match board.write(|tx| tx.record_reap(c, &reap, now)) {
+            Ok(_) if matches!(reap.verdict, ReapVerdict::Reaped(_)) => reaped.push(c.task_id),
             Ok(_) => {}
             Err(e) => {
                 tracing::warn!(run_id = c.run_id, error = %e, "terminal reaper: cannot record verdict")
