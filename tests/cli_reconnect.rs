@@ -1,6 +1,7 @@
 //! `wait` and `events --follow` ride out a supervisor restart: they reach the new supervisor
 //! and go on — `wait` from the tasks' statuses as they are then, `events --follow` after the
-//! last event it printed, none missed or printed twice. One that cannot reach a supervisor
+//! last event it printed, none missed or printed twice; also when the supervisor they first
+//! reach is already stopping (it closes during the hello). One that cannot reach a supervisor
 //! again within `RUNWARDEN_CONNECT_WAIT` exits 3, a code of its own (1 is `wait`'s "a task
 //! ended blocked or archived").
 
@@ -152,4 +153,85 @@ fn a_wait_whose_supervisor_does_not_come_back_exits_3() {
         "{}",
         fs::read_to_string(&err).unwrap_or_default()
     );
+}
+
+#[test]
+fn wait_and_follow_whose_first_hello_meets_a_stopping_supervisor_ride_it_out() {
+    let mut d = Daemon::start("", "");
+    let task = ok(&d.cli(&["add", "waited for"])).trim().to_string();
+    d.stop();
+    // A supervisor on its way out: it accepts each connection, then closes it before the
+    // hello is answered — until both clients have met it (they may come back meanwhile).
+    // A stand-in on the socket path: the real one's window is too short to hit on purpose.
+    let listener = std::os::unix::net::UnixListener::bind(&d.socket).expect("bind the socket");
+    let (peer_tx, peers) = std::sync::mpsc::channel();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopping = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let (conn, _) = listener.accept().expect("accept a client");
+                let cred =
+                    nix::sys::socket::getsockopt(&conn, nix::sys::socket::sockopt::PeerCredentials);
+                drop(conn);
+                let _ = peer_tx.send(cred.map(|c| c.pid()).unwrap_or(0));
+            }
+            // The listener goes with the thread: nothing listens until the new supervisor.
+        })
+    };
+    let mut follow = command();
+    follow
+        .env("RUNWARDEN_CONNECT_WAIT", "30s")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["events", "--follow", "--json"]);
+    let (mut follower, lines) = stream_of(follow);
+    let wait_err = d.dir.path().join("wait.stderr");
+    let mut wait = command();
+    wait.env("RUNWARDEN_CONNECT_WAIT", "30s")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["wait", &task])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(&wait_err).unwrap());
+    let mut waiting = ChildGuard::spawn(&mut wait).expect("spawn runwarden wait");
+    let mut met = std::collections::HashSet::new();
+    let both = wait_until(SETTLE, || {
+        met.extend(peers.try_iter());
+        met.contains(&follower.pid()) && met.contains(&waiting.pid())
+    });
+    assert!(
+        both,
+        "not both clients reached the stopping supervisor: {met:?}"
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    // Wakes the accept so the thread sees `stop` (or a client's retry does).
+    let _ = std::os::unix::net::UnixStream::connect(&d.socket);
+    stopping.join().unwrap();
+    fs::remove_file(&d.socket).expect("remove the stand-in's socket");
+
+    d.restart();
+    ok(&d.cli(&["add", "after the first hello"]));
+    let mut seen: Vec<serde_json::Value> = Vec::new();
+    let saw = wait_until(SETTLE, || {
+        while let Ok(line) = lines.try_recv() {
+            seen.push(serde_json::from_str(&line).expect("an event as JSON"));
+        }
+        seen.iter()
+            .any(|ev| ev["kind"] == "created" && ev["payload"]["title"] == "after the first hello")
+    });
+    assert!(
+        saw,
+        "the follower gave up at its first hello (exit {:?}): {seen:?}",
+        follower.try_wait().ok().flatten()
+    );
+    ok(&d.cli(&["complete", &task, "--force"]));
+    assert_eq!(
+        exit_code(&mut waiting),
+        Some(0),
+        "wait: {}",
+        fs::read_to_string(&wait_err).unwrap_or_default()
+    );
+    d.assert_healthy();
 }

@@ -57,9 +57,8 @@ pub struct WaitArgs {
 
 /// Prints the event log (`--json`: an array; with `--follow`, one object per line).
 pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
-    let mut client = connect(cli)?;
     if !args.follow {
-        let events = client.events(args.since, args.id)?;
+        let events = connect(cli)?.events(args.since, args.id)?;
         if out.json {
             return out.json(&events);
         }
@@ -73,6 +72,7 @@ pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
     // event ids are the board's, so none is missed or printed twice.
     let mut since = args.since;
     let mut reconnects = Reconnects::default();
+    let mut client = connect_riding_out(cli, &mut reconnects, None)?.expect("no deadline to pass");
     loop {
         client.set_read_timeout(None)?;
         let lost = match client.follow_events(since, args.id) {
@@ -98,6 +98,24 @@ pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
         client = reconnects
             .reconnect(cli, &lost, None)?
             .expect("no deadline to pass");
+    }
+}
+
+/// The first connection of a command that rides out a supervisor's restart (`wait`, `events
+/// --follow`). A supervisor reached that closes (or refuses) during the hello is one stopping
+/// for a restart: ridden out as any later loss. Nothing listening at all is an error at once.
+/// `None`: `deadline` passed while reconnecting.
+fn connect_riding_out(
+    cli: &Cli,
+    reconnects: &mut Reconnects,
+    deadline: Option<Instant>,
+) -> Result<Option<Client>, CliError> {
+    match super::try_connect(&super::socket_path(cli)?, super::reply_timeout()?) {
+        Ok(client) => Ok(Some(client)),
+        Err(e) if super::is_passing(&e) && !matches!(e, ClientError::NotRunning { .. }) => {
+            reconnects.reconnect(cli, &e, deadline)
+        }
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -571,17 +589,8 @@ pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
     let mut state: BTreeMap<TaskId, TaskStatus> = BTreeMap::new();
     let mut timed_out = false;
     let mut reconnects = Reconnects::default();
-    let mut client = match super::try_connect(&super::socket_path(cli)?, super::reply_timeout()?) {
-        Ok(client) => client,
-        // Reached, but it closed (or refused) during the hello: a supervisor stopping (a
-        // restart), ridden out as any loss. Nothing listening at all is an error at once.
-        Err(e) if super::is_passing(&e) && !matches!(e, ClientError::NotRunning { .. }) => {
-            match reconnects.reconnect(cli, &e, deadline)? {
-                Some(client) => client,
-                None => return report_wait(&out, &state, true),
-            }
-        }
-        Err(e) => return Err(e.into()),
+    let Some(mut client) = connect_riding_out(cli, &mut reconnects, deadline)? else {
+        return report_wait(&out, &state, true);
     };
     loop {
         match wait_on(&mut client, args, deadline, progress, &mut state)? {
