@@ -201,7 +201,11 @@ fn a_heartbeating_worker_is_not_stale_for_the_time_no_supervisor_listened() {
         "the worker runs on while no supervisor does"
     );
 
-    let mut sup = Supervisor::start(config).expect("start the second incarnation");
+    // With a shorter claim_ttl than the first (leases are refreshed every third of it): how
+    // long the first listened is not inferred from the lease.
+    let mut second = config.clone();
+    second.leases.claim_ttl = Duration::from_secs(60);
+    let mut sup = Supervisor::start(second).expect("start the second incarnation");
     let done = sup.wait_status(task, TaskStatus::Done, SETTLE);
     assert_eq!(done.status, TaskStatus::Done, "{}", sup.history(task));
     let runs = sup.runs(task);
@@ -213,14 +217,12 @@ fn a_heartbeating_worker_is_not_stale_for_the_time_no_supervisor_listened() {
 #[test]
 fn a_silent_worker_is_stale_across_restarts_each_shorter_than_stale_after() {
     let td = TestDir::new();
-    // Each incarnation listens 700 ms, under stale_after; their silence adds up. The short ttl
-    // makes each refresh its leases often (a third of it), which is how the next one knows
-    // how long its predecessor listened.
+    // Each incarnation listens 700 ms, under stale_after; their silence adds up (each records
+    // what it heard every third of stale_after, 500 ms).
     let stale_after = Duration::from_millis(1500);
     let listen = Duration::from_millis(700);
     let mut config = lib_config(&td);
     config.leases.stale_after = stale_after;
-    config.leases.claim_ttl = Duration::from_millis(300);
     config.supervisor.shutdown = ShutdownMode::Leave;
     config.retries.max_retries = 0;
     config
@@ -262,6 +264,44 @@ fn a_silent_worker_is_stale_across_restarts_each_shorter_than_stale_after() {
         incarnations >= 3,
         "closed stale in incarnation {incarnations}"
     );
+}
+
+#[test]
+fn a_silent_worker_is_not_stale_for_an_outage_before_a_brief_restart() {
+    let td = TestDir::new();
+    // A long outage (longer than stale_after), then an incarnation that adopts the worker and
+    // stops at once (a crash loop): the next one must not count the outage as heard silence.
+    let stale_after = Duration::from_millis(1500);
+    let mut config = lib_config(&td);
+    config.leases.stale_after = stale_after;
+    config.supervisor.shutdown = ShutdownMode::Leave;
+    config.retries.max_retries = 0;
+    config
+        .assignees
+        .insert("w".into(), sh_assignee("sleep 300 & wait"));
+    let (task, worker) = leave_one_worker(&td, &config);
+    let mut db = Db::new(td.db_path());
+    let started = db.runs(task)[0].started_at;
+    assert!(
+        wait_until(SETTLE, || now()
+            > started + 2 * stale_after.as_millis() as i64),
+        "time does not pass"
+    );
+    let mut brief = Supervisor::start(config.clone()).expect("start the brief incarnation");
+    brief.wait_event(task, "worker_adopted", SETTLE);
+    brief.shutdown();
+
+    // Heard so far: two brief incarnations, well under stale_after.
+    let sup = Supervisor::start(config).expect("start the third incarnation");
+    let listen = Duration::from_millis(800);
+    let closed = wait_until(listen, || db.runs(task)[0].outcome.is_some());
+    sup.shutdown();
+    assert!(
+        !closed,
+        "closed stale for time no supervisor ran\n{}",
+        db.history(task)
+    );
+    assert!(worker.alive(), "the worker was ended");
 }
 
 #[test]

@@ -26,7 +26,7 @@ const READS_SRC: &str = include_str!("../src/board/reads.rs");
 
 /// `Tx::terminal_reap_candidates` (src/board/reaper.rs).
 const TERMINAL_REAP_CANDIDATES: &str = "SELECT id, task_id, worker_pid, worker_boot_id, \
-     worker_start_ticks, ended_at, token FROM task_runs \
+     worker_start_ticks, ended_at, token, outcome FROM task_runs \
      WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL AND ended_at <= ?1 \
      AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END \
      AND worker_boot_id IS NOT NULL AND worker_start_ticks IS NOT NULL ORDER BY ended_at";

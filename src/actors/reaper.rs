@@ -172,6 +172,8 @@ impl ReaperActor {
                 ended_at: msg.ended_at,
                 // The event feed carries no tokens; reap_external reads it from the run.
                 token: None,
+                // Not needed past here: the grace this timer kept already said it.
+                outcome: None,
             },
             false,
             ctx,
@@ -252,14 +254,13 @@ impl ReaperActor {
                     Ok((due, all, archived))
                 })
                 .await?;
-            // Which runs closed during this incarnation still have their worker's actor.
-            let ours: Vec<RunId> = all
-                .iter()
-                .filter(|c| c.ended_at >= started_at)
-                .map(|c| c.run_id)
-                .collect();
+            // Which runs still have their worker's actor: those closed during this incarnation,
+            // and any other (a wall clock set back makes a close of ours look older).
+            let ours: Vec<RunId> = all.iter().map(|c| c.run_id).collect();
             let owners = match dispatcher {
                 _ if ours.is_empty() => Some(Vec::new()),
+                // Before the dispatcher starts (the start-up sweep) nothing can be ours yet.
+                None if all.iter().all(|c| c.ended_at < started_at) => Some(Vec::new()),
                 // Unknown (no dispatcher yet, or it is stopping): those runs wait a sweep.
                 None => None,
                 Some(d) => d.send(OwnedWorkers(ours)).await.ok(),
@@ -313,12 +314,19 @@ impl ReaperActor {
                 for c in todo {
                     let early = !due_ids.contains(&c.run_id);
                     match act.owned.get(&c.run_id).cloned() {
-                        // Never reached while `early` keeps to runs closed before we started,
-                        // which no actor of ours owns; kept so an owned live worker can never be
-                        // terminated before its grace. Its actor records its exit anyway.
+                        // A run closed before we started (by the wall clock) that an actor of
+                        // ours owns all the same: never ended before its grace. Its actor
+                        // records its exit anyway.
                         Some(w) if early && w.connected() => {}
+                        // As its RunClosed's timer would: a forced close (its RunClosed late
+                        // or lost) is that close's end, a report's after its grace a reap.
                         Some(w) if w.connected() => {
-                            act.terminate_owned(c.run_id, &w, TerminateReason::TerminalReap)
+                            let reason = if c.closed_by_its_worker() {
+                                TerminateReason::TerminalReap
+                            } else {
+                                TerminateReason::RunClosed
+                            };
+                            act.terminate_owned(c.run_id, &w, reason)
                         }
                         // A previous incarnation's worker within its grace: nothing records its
                         // exit but this sweep, and until then it holds its slot.
@@ -446,6 +454,7 @@ impl ReaperActor {
                 },
                 ended_at: run.ended_at.unwrap_or(run.started_at),
                 token: Some(run.token),
+                outcome: run.outcome,
             },
             false,
             ctx,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use rusqlite::params;
 use serde_json::json;
 
-use super::types::{Millis, RunId, TaskId};
+use super::types::{Millis, RunId, RunOutcome, TaskId};
 use super::{Board, Result, Tx};
 use crate::process::descendants::CarriersEnded;
 use crate::process::{self, DeadReason, Ended, Fingerprint, Liveness, Signaller};
@@ -25,6 +25,20 @@ pub struct ReapCandidate {
     pub ended_at: Millis,
     /// The run's token, to find descendants that escaped the worker's group.
     pub token: Option<String>,
+    /// How the run closed, when known: a worker that closed its own run (`completed`,
+    /// `blocked`) had a grace; one closed by force is wanted gone at once.
+    pub outcome: Option<RunOutcome>,
+}
+
+impl ReapCandidate {
+    /// Whether its worker closed the run itself (reported `completed` or `blocked`), so that
+    /// ending it now is a terminal reap after its grace, not the end of a forced close.
+    pub fn closed_by_its_worker(&self) -> bool {
+        matches!(
+            self.outcome,
+            Some(RunOutcome::Completed | RunOutcome::Blocked)
+        )
+    }
 }
 
 /// One reap: the verdict on the recorded leader, and what of its tree outside its group
@@ -75,7 +89,8 @@ impl Tx<'_> {
         grace_ms: i64,
     ) -> Result<Vec<ReapCandidate>> {
         let mut stmt = self.conn.prepare_cached(
-            "SELECT id, task_id, worker_pid, worker_boot_id, worker_start_ticks, ended_at, token \
+            "SELECT id, task_id, worker_pid, worker_boot_id, worker_start_ticks, ended_at, token, \
+                    outcome \
              FROM task_runs \
              WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL AND ended_at <= ?1 \
                AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END \
@@ -99,6 +114,8 @@ impl Tx<'_> {
                 },
                 ended_at: r.get(5)?,
                 token: r.get(6)?,
+                // An outcome this build does not know is only "not known" here.
+                outcome: r.get::<_, Option<String>>(7)?.and_then(|o| o.parse().ok()),
             })
         })?;
         Ok(rows

@@ -359,8 +359,8 @@ impl Tx<'_> {
         let changed = self
             .conn
             .prepare_cached(
-                "UPDATE task_runs SET heartbeat_at = ?2, lease_expires_at = max(lease_expires_at, ?3) \
-                 WHERE id = ?1 AND ended_at IS NULL",
+                "UPDATE task_runs SET heartbeat_at = ?2, lease_expires_at = max(lease_expires_at, ?3), \
+                 silence_ms = 0 WHERE id = ?1 AND ended_at IS NULL",
             )?
             .execute(params![run_id, now, now + lease_ms])?;
         if changed != 1 {
@@ -377,15 +377,23 @@ impl Tx<'_> {
     }
 
     /// Extends a live run's lease without a heartbeat (the supervisor vouching for its own
-    /// live child). Returns false if the run is no longer open.
-    pub fn extend_lease(&self, run_id: RunId, now: Millis, lease_ms: i64) -> Result<bool> {
+    /// live child), recording `silence_ms`: how long the supervisors watching it have heard
+    /// nothing from its worker (see [`Run::silence_ms`]). Returns false if the run is no
+    /// longer open.
+    pub fn extend_lease(
+        &self,
+        run_id: RunId,
+        now: Millis,
+        lease_ms: i64,
+        silence_ms: i64,
+    ) -> Result<bool> {
         let changed = self
             .conn
             .prepare_cached(
-                "UPDATE task_runs SET lease_expires_at = max(lease_expires_at, ?2) \
+                "UPDATE task_runs SET lease_expires_at = max(lease_expires_at, ?2), silence_ms = ?3 \
                  WHERE id = ?1 AND ended_at IS NULL",
             )?
-            .execute(params![run_id, now + lease_ms])?;
+            .execute(params![run_id, now + lease_ms, silence_ms.max(0)])?;
         Ok(changed == 1)
     }
 

@@ -169,6 +169,13 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE task_runs ADD COLUMN log_offset INTEGER;
     ALTER TABLE task_runs ADD COLUMN log_generation TEXT;
     "#,
+    // v8: the silence (no heartbeat, in ms) the supervisors watching a run had heard from its
+    // worker when one of them last refreshed its lease; a heartbeat resets it. A supervisor
+    // that adopts the worker after a restart goes on from there for `stale_after`, so the time
+    // no supervisor ran is not counted and the time they listened is.
+    r#"
+    ALTER TABLE task_runs ADD COLUMN silence_ms INTEGER NOT NULL DEFAULT 0;
+    "#,
 ];
 
 /// The schema version this build writes.

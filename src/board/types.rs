@@ -164,6 +164,11 @@ pub struct Run {
     /// Internal: not part of the protocol.
     #[serde(skip, default)]
     pub log_start: Option<LogStart>,
+    /// The silence (no heartbeat, ms) the supervisors watching this run had heard from its
+    /// worker at the last refresh of its lease; reset by a heartbeat. For `stale_after` across
+    /// restarts. Internal: not part of the protocol.
+    #[serde(skip, default)]
+    pub silence_ms: i64,
 }
 
 /// Where a run's output starts in its task's log, so that a crash quotes that run's output

@@ -99,9 +99,9 @@ impl Probe {
 /// How long a run's worker has been silent while a supervisor listened, for `stale_after`:
 /// since its last heartbeat (else its start), not counting the time no supervisor ran before
 /// this one (a worker's beats wait to reconnect then). `heard_before` is the silence earlier
-/// incarnations heard ([`silence_heard_before`], taken when the worker was adopted): without
-/// it a supervisor restarted more often than `stale_after` would never find a hung worker
-/// stale.
+/// incarnations heard, as the last of them recorded it ([`board::Run::silence_ms`], read when
+/// the worker was adopted): without it a supervisor restarted more often than `stale_after`
+/// would never find a hung worker stale.
 fn silent_for(
     run: &board::Run,
     watching_since: board::Millis,
@@ -115,29 +115,9 @@ fn silent_for(
     heard_before + (now - watching_since)
 }
 
-/// The silence the supervisors before this one heard from an adopted run's worker: from its
-/// last heartbeat (else its start) to the last time one of them refreshed its lease
-/// (`lease_expires_at − claim_ttl`; a supervisor refreshes its workers' leases every third of
-/// the ttl, and a heartbeat does too). Read from the row as found, before this incarnation
-/// refreshes it. That supervisor may have run a third of a ttl longer: that much silence can
-/// go uncounted. A gap between two earlier supervisors with no heartbeat on either side of it
-/// is counted (the row keeps only the last refresh).
-pub(super) fn silence_heard_before(
-    run: &board::Run,
-    watching_since: board::Millis,
-    ttl_ms: i64,
-) -> i64 {
-    let heard = run.heartbeat_at.unwrap_or(run.started_at);
-    let listened_until = run
-        .lease_expires_at
-        .saturating_sub(ttl_ms)
-        .clamp(heard, watching_since.max(heard));
-    listened_until - heard
-}
-
 #[test]
 fn silence_counts_only_while_a_supervisor_listened() {
-    let run = |started_at, heartbeat_at, lease_expires_at| board::Run {
+    let run = |started_at, heartbeat_at| board::Run {
         id: 1,
         task_id: 1,
         attempt: 1,
@@ -147,7 +127,7 @@ fn silence_counts_only_while_a_supervisor_listened() {
         outcome: None,
         started_at,
         ended_at: None,
-        lease_expires_at,
+        lease_expires_at: 0,
         heartbeat_at,
         spawned_pid: None,
         worker_pid: None,
@@ -158,37 +138,18 @@ fn silence_counts_only_while_a_supervisor_listened() {
         error: None,
         summary: None,
         log_start: None,
+        silence_ms: 0,
     };
-    let ttl = 1_000;
-    // Claimed by this incarnation: since its start, or its last beat.
-    assert_eq!(silent_for(&run(5_000, None, 6_000), 4_000, 0, 9_000), 4_000);
-    assert_eq!(
-        silent_for(&run(5_000, Some(8_000), 9_000), 4_000, 0, 9_000),
-        1_000
-    );
-    // Adopted: the earlier incarnation listened from its start to its last refresh (2 500),
-    // nobody from then to 4 000, this one since.
-    let adopted = run(1_000, None, 3_500);
-    let before = silence_heard_before(&adopted, 4_000, ttl);
-    assert_eq!(before, 1_500);
-    assert_eq!(silent_for(&adopted, 4_000, before, 5_000), 1_500 + 1_000);
+    // Claimed by this incarnation (started at 4 000): since its start, or its last beat.
+    assert_eq!(silent_for(&run(5_000, None), 4_000, 0, 9_000), 4_000);
+    assert_eq!(silent_for(&run(5_000, Some(8_000)), 4_000, 0, 9_000), 1_000);
+    // Adopted, 1 500 of silence heard before: that, and the time since this one started.
+    assert_eq!(silent_for(&run(1_000, None), 4_000, 1_500, 5_000), 2_500);
     // A beat that landed since counts from itself.
     assert_eq!(
-        silent_for(&run(1_000, Some(4_500), 5_500), 4_000, before, 5_000),
+        silent_for(&run(1_000, Some(4_500)), 4_000, 1_500, 5_000),
         500
     );
-    // Its last beat refreshed the lease: nothing heard before this incarnation.
-    assert_eq!(
-        silence_heard_before(&run(1_000, Some(2_000), 3_000), 4_000, ttl),
-        0
-    );
-    // A lease longer than the ttl now (the config changed) never counts time past the start.
-    assert_eq!(
-        silence_heard_before(&run(1_000, None, 90_000), 4_000, ttl),
-        3_000
-    );
-    // Nor one shorter: never less than nothing.
-    assert_eq!(silence_heard_before(&run(1_000, None, 500), 4_000, ttl), 0);
 }
 
 impl DispatcherActor {
@@ -274,25 +235,31 @@ impl DispatcherActor {
                     continue; // Closed, its start still ours to settle.
                 }
                 let exit_pending = self.workers.get(&run.id).is_some_and(|w| w.exit_pending);
-                if !stale_after.is_zero() && !exit_pending {
-                    let before = self.workers.get(&run.id).map_or(0, |w| w.heard_before);
-                    if silent_for(&run, self.watching_since, before, now)
-                        > stale_after.as_millis() as i64
-                    {
-                        // A stale run is a failure of its task like any other: its assignee's
-                        // max_retries and backoff apply (not the global default, not zero).
-                        stale.push((run.id, self.policy_for(&task), before));
-                    }
+                let before = self.workers.get(&run.id).map_or(0, |w| w.heard_before);
+                let silent = silent_for(&run, self.watching_since, before, now);
+                if !stale_after.is_zero()
+                    && !exit_pending
+                    && silent > stale_after.as_millis() as i64
+                {
+                    // A stale run is a failure of its task like any other: its assignee's
+                    // max_retries and backoff apply (not the global default, not zero).
+                    stale.push((run.id, self.policy_for(&task), before));
                 }
-                ours.push(run.id);
+                ours.push((run.id, before));
                 continue;
             }
             self.take_over(run, task, probe, now, ctx);
         }
-        // Our own live children vouch for their leases (a heartbeat extends them too).
-        let due = self
-            .last_lease_refresh
-            .is_none_or(|t| t.elapsed() >= ttl / 3);
+        // Our own live children vouch for their leases (a heartbeat extends them too), and the
+        // silence heard from them is recorded: often enough that what a supervisor killed
+        // before its next refresh heard and the next one cannot count is a third of
+        // `stale_after` at most.
+        let every = if stale_after.is_zero() {
+            ttl / 3
+        } else {
+            ttl.min(stale_after) / 3
+        };
+        let due = self.last_lease_refresh.is_none_or(|t| t.elapsed() >= every);
         if (due && !ours.is_empty()) || !stale.is_empty() {
             self.last_lease_refresh = Some(std::time::Instant::now());
             let (store, lease_ms) = (self.store.clone(), ttl.as_millis() as i64);
@@ -305,8 +272,15 @@ impl DispatcherActor {
             actix_rt::spawn(async move {
                 let res = store
                     .with_tx(move |tx, now| {
-                        for &run_id in &ours {
-                            tx.extend_lease(run_id, now, lease_ms)?;
+                        for &(run_id, before) in &ours {
+                            // With the silence heard so far, for the next incarnation.
+                            let run = match tx.get_run(run_id) {
+                                Ok(run) => run,
+                                Err(board::BoardError::NotFound { .. }) => continue,
+                                Err(e) => return Err(e),
+                            };
+                            let silence = silent_for(&run, since, before, now);
+                            tx.extend_lease(run_id, now, lease_ms, silence)?;
                         }
                         for (run_id, policy, before) in &stale {
                             let (run_id, before) = (*run_id, *before);
@@ -466,12 +440,14 @@ impl DispatcherActor {
                 );
                 let pid = run.worker_pid.map(|p| p as i32);
                 self.run_worker(worker, run_id, task.id, pid, run.token.clone());
+                // The silence the supervisors before this one heard, as the last recorded it.
+                let heard_before = run.silence_ms.max(0);
                 if let Some(w) = self.workers.get_mut(&run_id) {
-                    let ttl_ms = self.config.leases.claim_ttl.as_millis() as i64;
-                    w.heard_before = silence_heard_before(&run, self.watching_since, ttl_ms);
+                    w.heard_before = heard_before;
                 }
                 let store = self.store.clone();
                 let lease_ms = self.config.leases.claim_ttl.as_millis() as i64;
+                let since = self.watching_since;
                 actix_rt::spawn(async move {
                     let _ = store
                         .with_tx(move |tx, now| {
@@ -482,7 +458,10 @@ impl DispatcherActor {
                                 serde_json::json!({ "pid": run.worker_pid }),
                                 now,
                             )?;
-                            tx.extend_lease(run_id, now, lease_ms)
+                            // As read now: a heartbeat may have landed since the snapshot.
+                            let silence =
+                                silent_for(&tx.get_run(run_id)?, since, heard_before, now);
+                            tx.extend_lease(run_id, now, lease_ms, silence)
                         })
                         .await;
                 });
