@@ -223,9 +223,6 @@ struct Worker {
     token: String,
     /// Its leader's exit waits to be recorded ([`ExitPending`]).
     exit_pending: bool,
-    /// For a worker adopted from an earlier incarnation, the silence (no heartbeat) those
-    /// heard from it, in ms, for `stale_after` (`reconcile::silence_heard_before`); 0 otherwise.
-    heard_before: i64,
 }
 
 /// The actor.
@@ -254,6 +251,11 @@ pub struct DispatcherActor {
     /// there to hear heartbeats: a worker it adopts has not been silent while no supervisor ran
     /// (its heartbeat was waiting to reconnect), and gets a full `stale_after` from here.
     watching_since: board::Millis,
+    /// For each open run this incarnation adopted: what the supervisors before it had heard
+    /// from its worker, for `stale_after` ([`reconcile::HeardBefore`]). Kept past its
+    /// WorkerActor, so that adopting the same worker again never counts this incarnation's
+    /// own listening twice.
+    heard_before: HashMap<RunId, reconcile::HeardBefore>,
     /// True while a tick's blocking chores (stray-orphan scan, zombie reaping, log rotation)
     /// run on the blocking pool. A tick that finds them still running skips them: with a short
     /// tick or a slow /proc, rounds would otherwise pile up on the pool faster than they
@@ -300,6 +302,7 @@ impl DispatcherActor {
             in_pass: false,
             again: false,
             watching_since: board::now_millis(),
+            heard_before: HashMap::new(),
             accepting: true,
             accepting_flag: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             held: HashMap::new(),
@@ -442,7 +445,6 @@ impl DispatcherActor {
                 exit_seen: false,
                 token,
                 exit_pending: false,
-                heard_before: 0,
             },
         );
     }

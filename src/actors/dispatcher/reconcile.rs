@@ -96,23 +96,44 @@ impl Probe {
     }
 }
 
+/// What the supervisors before this one had heard from an adopted run's worker: the silence
+/// the last of them recorded ([`board::Run::silence_ms`]), and the heartbeat it followed,
+/// both as found at the adoption.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct HeardBefore {
+    pub silence_ms: i64,
+    pub beat_at: Option<board::Millis>,
+}
+
+impl HeardBefore {
+    fn of(run: &board::Run) -> Self {
+        HeardBefore {
+            silence_ms: run.silence_ms.max(0),
+            beat_at: run.heartbeat_at,
+        }
+    }
+}
+
 /// How long a run's worker has been silent while a supervisor listened, for `stale_after`:
 /// since its last heartbeat (else its start), not counting the time no supervisor ran before
-/// this one (a worker's beats wait to reconnect then). `heard_before` is the silence earlier
-/// incarnations heard, as the last of them recorded it ([`board::Run::silence_ms`], read when
-/// the worker was adopted): without it a supervisor restarted more often than `stale_after`
-/// would never find a hung worker stale.
+/// this one (a worker's beats wait to reconnect then). For a worker adopted with no beat since,
+/// that is what the supervisors before heard (`heard`) and the time since this one started;
+/// without the former a supervisor restarted more often than `stale_after` would never find a
+/// hung worker stale. A beat since the adoption counts from itself, whatever the wall clock
+/// did meanwhile.
 fn silent_for(
     run: &board::Run,
     watching_since: board::Millis,
-    heard_before: i64,
+    heard: Option<&HeardBefore>,
     now: board::Millis,
 ) -> i64 {
-    let heard = run.heartbeat_at.unwrap_or(run.started_at);
-    if heard >= watching_since {
-        return now - heard;
+    let last = run.heartbeat_at.unwrap_or(run.started_at);
+    match heard {
+        Some(h) if run.heartbeat_at == h.beat_at && last < watching_since => {
+            h.silence_ms + (now - watching_since)
+        }
+        _ => now - last,
     }
-    heard_before + (now - watching_since)
 }
 
 #[test]
@@ -140,15 +161,37 @@ fn silence_counts_only_while_a_supervisor_listened() {
         log_start: None,
         silence_ms: 0,
     };
+    let heard = |silence_ms, beat_at| HeardBefore {
+        silence_ms,
+        beat_at,
+    };
     // Claimed by this incarnation (started at 4 000): since its start, or its last beat.
-    assert_eq!(silent_for(&run(5_000, None), 4_000, 0, 9_000), 4_000);
-    assert_eq!(silent_for(&run(5_000, Some(8_000)), 4_000, 0, 9_000), 1_000);
-    // Adopted, 1 500 of silence heard before: that, and the time since this one started.
-    assert_eq!(silent_for(&run(1_000, None), 4_000, 1_500, 5_000), 2_500);
-    // A beat that landed since counts from itself.
+    assert_eq!(silent_for(&run(5_000, None), 4_000, None, 9_000), 4_000);
     assert_eq!(
-        silent_for(&run(1_000, Some(4_500)), 4_000, 1_500, 5_000),
+        silent_for(&run(5_000, Some(8_000)), 4_000, None, 9_000),
+        1_000
+    );
+    // Adopted with 1 500 heard before: that, and the time since this one started.
+    let adopted = heard(1_500, None);
+    assert_eq!(
+        silent_for(&run(1_000, None), 4_000, Some(&adopted), 5_000),
+        2_500
+    );
+    // A beat since counts from itself...
+    assert_eq!(
+        silent_for(&run(1_000, Some(4_500)), 4_000, Some(&adopted), 5_000),
         500
+    );
+    // ...also when the wall clock was set back before it (its time is before this start).
+    assert_eq!(
+        silent_for(&run(1_000, Some(3_700)), 4_000, Some(&adopted), 4_350),
+        650
+    );
+    // Adopted after an earlier beat, none since: what was heard, and the time since.
+    let after_beat = heard(700, Some(2_000));
+    assert_eq!(
+        silent_for(&run(1_000, Some(2_000)), 4_000, Some(&after_beat), 5_000),
+        1_700
     );
 }
 
@@ -225,6 +268,8 @@ impl DispatcherActor {
             .retain(|run_id, _| runs.iter().any(|(r, _, _)| r.id == *run_id));
         self.closing
             .retain(|run_id| runs.iter().any(|(r, _, _)| r.id == *run_id));
+        self.heard_before
+            .retain(|run_id, _| runs.iter().any(|(r, _, _)| r.id == *run_id));
         for (run, task, probe) in runs {
             // Ours: a live WorkerActor, or a claim of this incarnation young enough that its
             // actor may not have started yet (the claim's reply is still on its way). Anything
@@ -235,17 +280,17 @@ impl DispatcherActor {
                     continue; // Closed, its start still ours to settle.
                 }
                 let exit_pending = self.workers.get(&run.id).is_some_and(|w| w.exit_pending);
-                let before = self.workers.get(&run.id).map_or(0, |w| w.heard_before);
-                let silent = silent_for(&run, self.watching_since, before, now);
+                let heard = self.heard_before.get(&run.id).copied();
+                let silent = silent_for(&run, self.watching_since, heard.as_ref(), now);
                 if !stale_after.is_zero()
                     && !exit_pending
                     && silent > stale_after.as_millis() as i64
                 {
                     // A stale run is a failure of its task like any other: its assignee's
                     // max_retries and backoff apply (not the global default, not zero).
-                    stale.push((run.id, self.policy_for(&task), before));
+                    stale.push((run.id, self.policy_for(&task), heard));
                 }
-                ours.push((run.id, before));
+                ours.push((run.id, heard));
                 continue;
             }
             self.take_over(run, task, probe, now, ctx);
@@ -272,23 +317,23 @@ impl DispatcherActor {
             actix_rt::spawn(async move {
                 let res = store
                     .with_tx(move |tx, now| {
-                        for &(run_id, before) in &ours {
+                        for &(run_id, heard) in &ours {
                             // With the silence heard so far, for the next incarnation.
                             let run = match tx.get_run(run_id) {
                                 Ok(run) => run,
                                 Err(board::BoardError::NotFound { .. }) => continue,
                                 Err(e) => return Err(e),
                             };
-                            let silence = silent_for(&run, since, before, now);
+                            let silence = silent_for(&run, since, heard.as_ref(), now);
                             tx.extend_lease(run_id, now, lease_ms, silence)?;
                         }
-                        for (run_id, policy, before) in &stale {
-                            let (run_id, before) = (*run_id, *before);
+                        for (run_id, policy, heard) in &stale {
+                            let (run_id, heard) = (*run_id, *heard);
                             // Judged on a snapshot read before this transaction: a heartbeat
                             // committed since then wins (the worker is not stale after all).
-                            let still_stale = tx
-                                .get_run(run_id)
-                                .is_ok_and(|run| silent_for(&run, since, before, now) > stale_ms);
+                            let still_stale = tx.get_run(run_id).is_ok_and(|run| {
+                                silent_for(&run, since, heard.as_ref(), now) > stale_ms
+                            });
                             if !still_stale {
                                 continue;
                             }
@@ -440,11 +485,13 @@ impl DispatcherActor {
                 );
                 let pid = run.worker_pid.map(|p| p as i32);
                 self.run_worker(worker, run_id, task.id, pid, run.token.clone());
-                // The silence the supervisors before this one heard, as the last recorded it.
-                let heard_before = run.silence_ms.max(0);
-                if let Some(w) = self.workers.get_mut(&run_id) {
-                    w.heard_before = heard_before;
-                }
+                // What the supervisors before this one heard, as the last recorded it; kept from
+                // a first adoption if this one adopts the worker again (it recorded its own
+                // listening on the row since).
+                let heard = *self
+                    .heard_before
+                    .entry(run_id)
+                    .or_insert_with(|| HeardBefore::of(&run));
                 let store = self.store.clone();
                 let lease_ms = self.config.leases.claim_ttl.as_millis() as i64;
                 let since = self.watching_since;
@@ -460,7 +507,7 @@ impl DispatcherActor {
                             )?;
                             // As read now: a heartbeat may have landed since the snapshot.
                             let silence =
-                                silent_for(&tx.get_run(run_id)?, since, heard_before, now);
+                                silent_for(&tx.get_run(run_id)?, since, Some(&heard), now);
                             tx.extend_lease(run_id, now, lease_ms, silence)
                         })
                         .await;
