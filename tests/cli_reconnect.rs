@@ -9,7 +9,7 @@
 mod common;
 
 use std::fs;
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 
 use common::control_daemon::{Daemon, command, ok, stream_of};
 use common::proc_guard::{ChildGuard, wait_until};
@@ -40,14 +40,22 @@ fn has_connected_socket(pid: i32) -> bool {
     })
 }
 
+/// `runwarden ARGS` against the daemon's socket, riding out a restart for up to 30 s
+/// (`RUNWARDEN_CONNECT_WAIT`).
+fn cli_for(d: &Daemon, args: &[&str]) -> Command {
+    let mut cmd = command();
+    cmd.env("RUNWARDEN_CONNECT_WAIT", "30s")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(args);
+    cmd
+}
+
 /// `runwarden ARGS` against the daemon's socket (`RUNWARDEN_CONNECT_WAIT` = `wait`), stderr
 /// into `stderr`, stdout discarded; returned once it has connected.
 fn connected_cli(d: &Daemon, args: &[&str], stderr: &std::path::Path, wait: &str) -> ChildGuard {
-    let mut cmd = command();
+    let mut cmd = cli_for(d, args);
     cmd.env("RUNWARDEN_CONNECT_WAIT", wait)
-        .arg("--socket")
-        .arg(&d.socket)
-        .args(args)
         .current_dir("/")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -80,12 +88,7 @@ fn wait_and_follow_go_on_across_a_supervisor_restart() {
     let task = ok(&d.cli(&["add", "waited for"])).trim().to_string();
     let wait_err = d.dir.path().join("wait.stderr");
     let mut waiting = connected_cli(&d, &["wait", &task], &wait_err, "30s");
-    let mut follow = command();
-    follow
-        .env("RUNWARDEN_CONNECT_WAIT", "30s")
-        .arg("--socket")
-        .arg(&d.socket)
-        .args(["events", "--follow", "--json"]);
+    let follow = cli_for(&d, &["events", "--follow", "--json"]);
     let (_follower, lines) = stream_of(follow);
     let mut seen: Vec<serde_json::Value> = Vec::new();
     let saw = |title: &str, seen: &mut Vec<serde_json::Value>| {
@@ -179,20 +182,11 @@ fn wait_and_follow_whose_first_hello_meets_a_stopping_supervisor_ride_it_out() {
             // The listener goes with the thread: nothing listens until the new supervisor.
         })
     };
-    let mut follow = command();
-    follow
-        .env("RUNWARDEN_CONNECT_WAIT", "30s")
-        .arg("--socket")
-        .arg(&d.socket)
-        .args(["events", "--follow", "--json"]);
+    let follow = cli_for(&d, &["events", "--follow", "--json"]);
     let (mut follower, lines) = stream_of(follow);
     let wait_err = d.dir.path().join("wait.stderr");
-    let mut wait = command();
-    wait.env("RUNWARDEN_CONNECT_WAIT", "30s")
-        .arg("--socket")
-        .arg(&d.socket)
-        .args(["wait", &task])
-        .stdin(Stdio::null())
+    let mut wait = cli_for(&d, &["wait", &task]);
+    wait.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(fs::File::create(&wait_err).unwrap());
     let mut waiting = ChildGuard::spawn(&mut wait).expect("spawn runwarden wait");

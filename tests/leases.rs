@@ -69,6 +69,20 @@ fn leave_one_worker(td: &TestDir, config: &Config) -> (TaskId, WorkerGuard) {
     (task, worker)
 }
 
+/// [`leave_one_worker`] with a worker that never heartbeats, under `stale_after`, no retries,
+/// and every incarnation leaving it running; returns that config too.
+fn leave_a_silent_worker(td: &TestDir, stale_after: Duration) -> (Config, TaskId, WorkerGuard) {
+    let mut config = lib_config(td);
+    config.leases.stale_after = stale_after;
+    config.supervisor.shutdown = ShutdownMode::Leave;
+    config.retries.max_retries = 0;
+    config
+        .assignees
+        .insert("w".into(), sh_assignee("sleep 300 & wait"));
+    let (task, worker) = leave_one_worker(td, &config);
+    (config, task, worker)
+}
+
 /// Waits (bounded) until the task's open run's lease has expired.
 fn wait_lease_expired(db: &mut Db, task: TaskId) {
     let lease = db.runs(task)[0].lease_expires_at;
@@ -221,14 +235,7 @@ fn a_silent_worker_is_stale_across_restarts_each_shorter_than_stale_after() {
     // what it heard every third of stale_after, 500 ms).
     let stale_after = Duration::from_millis(1500);
     let listen = Duration::from_millis(700);
-    let mut config = lib_config(&td);
-    config.leases.stale_after = stale_after;
-    config.supervisor.shutdown = ShutdownMode::Leave;
-    config.retries.max_retries = 0;
-    config
-        .assignees
-        .insert("w".into(), sh_assignee("sleep 300 & wait"));
-    let (task, worker) = leave_one_worker(&td, &config);
+    let (config, task, worker) = leave_a_silent_worker(&td, stale_after);
 
     let mut db = Db::new(td.db_path());
     let mut incarnations = 1;
@@ -272,14 +279,7 @@ fn a_silent_worker_is_not_stale_for_an_outage_before_a_brief_restart() {
     // A long outage (longer than stale_after), then an incarnation that adopts the worker and
     // stops at once (a crash loop): the next one must not count the outage as heard silence.
     let stale_after = Duration::from_millis(1500);
-    let mut config = lib_config(&td);
-    config.leases.stale_after = stale_after;
-    config.supervisor.shutdown = ShutdownMode::Leave;
-    config.retries.max_retries = 0;
-    config
-        .assignees
-        .insert("w".into(), sh_assignee("sleep 300 & wait"));
-    let (task, worker) = leave_one_worker(&td, &config);
+    let (config, task, worker) = leave_a_silent_worker(&td, stale_after);
     let mut db = Db::new(td.db_path());
     let started = db.runs(task)[0].started_at;
     assert!(

@@ -12,38 +12,29 @@
 #[allow(dead_code)]
 mod common;
 
-use common::lifecycle::Seen;
-use common::lifecycle::{GatedEscapee, View, open_gate, start_gated_escapee, stop_serve};
+use common::lifecycle::{Db, GatedEscapee, Seen, View, open_gate, start_gated_escapee, stop_serve};
 use common::proc_guard::wait_until;
-use common::runtime::{SETTLE, Serve, TestDir};
-use runwarden::board::Run;
+use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard};
+use runwarden::board::{Run, TaskId};
 use runwarden::process::{Signal, read_stat};
 
 #[test]
 fn a_dead_workers_escapee_found_at_the_next_start_is_ended_and_recorded() {
     let td = TestDir::new();
     let _subreaper = runwarden::process::become_subreaper().expect("become a subreaper");
-    let GatedEscapee {
-        mut serve,
+    let Died {
         mut db,
         task,
         run,
         escapee,
-        gates,
-    } = start_gated_escapee(
+        _pin,
+    } = escapee_of_a_worker_that_died_unsupervised(
         &td,
         310,
-        "tick = \"200ms\"",
         "[reaper]\nkill_timeout = \"1s\"\n\n[retries]\nmax_retries = 0",
     );
-    let _pin = escapee.pin();
-    // Killed: nothing ends or records anything on its way out. The worker is ours then
-    // (re-parented): it exits, and is reaped here, unsupervised.
-    kill_serve_then_let_the_worker_exit(&mut serve, &run, &gates, &escapee);
 
-    let config = td.path().join("config.toml");
-    let mut serve = Serve::start(&config, "serve2");
-    serve.wait_ready(&td.lock_path(), &td.db_path());
+    let serve = serve_again(&td);
     let ended = db.wait_event(task, "worker_group_ended", SETTLE);
     assert_eq!(ended.run_id, Some(run.id));
     assert_eq!(ended.payload["ended_by"], "sigterm", "{ended:?}");
@@ -59,6 +50,66 @@ fn a_dead_workers_escapee_found_at_the_next_start_is_ended_and_recorded() {
         db.history(task)
     );
     assert_eq!(db.run(run.id).worker_pid, None, "evidence cleared");
+    stop_cleanly(serve);
+}
+
+/// A worker that leaves a `setsid` escapee (`secs` long) and dies while no supervisor runs:
+/// its `serve` (configured with `sections`) is killed, then the worker exits here (re-parented
+/// to the test, reaped by it), leaving the escapee running. The escapee is pinned (ended when
+/// the guard goes) in case the test fails first.
+fn escapee_of_a_worker_that_died_unsupervised(td: &TestDir, secs: u32, sections: &str) -> Died {
+    let mut g = start_gated_escapee(td, secs, "tick = \"200ms\"", sections);
+    let pin = g.escapee.pin();
+    // Killed: nothing ends or records anything on its way out.
+    g.serve.signal(Signal::SIGKILL);
+    assert!(
+        g.serve.wait_exit(SETTLE).is_some(),
+        "serve survived SIGKILL"
+    );
+    let leader = g.run.spawned_pid.expect("spawned pid") as i32;
+    let me = std::process::id() as i32;
+    assert!(
+        wait_until(SETTLE, || read_stat(leader).is_ok_and(|s| s.ppid == me)),
+        "the worker was not re-parented to the test"
+    );
+    open_gate(&g.gates, g.task);
+    let reaped = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(leader), None);
+    assert!(reaped.is_ok(), "the worker was not reaped here: {reaped:?}");
+    assert!(g.escapee.alive(), "{:?} ended with its worker", g.escapee);
+    let GatedEscapee {
+        db,
+        task,
+        run,
+        escapee,
+        ..
+    } = g;
+    Died {
+        db,
+        task,
+        run,
+        escapee,
+        _pin: pin,
+    }
+}
+
+/// What [`escapee_of_a_worker_that_died_unsupervised`] leaves.
+struct Died {
+    db: Db,
+    task: TaskId,
+    run: Run,
+    escapee: Seen,
+    _pin: Option<WorkerGuard>,
+}
+
+/// The next `serve` on `td`'s config, ready.
+fn serve_again(td: &TestDir) -> Serve {
+    let mut serve = Serve::start(&td.path().join("config.toml"), "serve2");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    serve
+}
+
+/// SIGTERMs `serve` and checks that it stopped cleanly (exit 0).
+fn stop_cleanly(mut serve: Serve) {
     let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
     assert!(
         status.is_some_and(|s| s.success()),
@@ -67,53 +118,25 @@ fn a_dead_workers_escapee_found_at_the_next_start_is_ended_and_recorded() {
     );
 }
 
-/// Kills `serve`, then lets the worker of `run` exit here (re-parented to the test, reaped by
-/// it), leaving `escapee` running: the worker died while no supervisor ran.
-fn kill_serve_then_let_the_worker_exit(
-    serve: &mut Serve,
-    run: &Run,
-    gates: &std::path::Path,
-    escapee: &Seen,
-) {
-    serve.signal(Signal::SIGKILL);
-    assert!(serve.wait_exit(SETTLE).is_some(), "serve survived SIGKILL");
-    let leader = run.spawned_pid.expect("spawned pid") as i32;
-    let me = std::process::id() as i32;
-    assert!(
-        wait_until(SETTLE, || read_stat(leader).is_ok_and(|s| s.ppid == me)),
-        "the worker was not re-parented to the test"
-    );
-    open_gate(gates, run.task_id);
-    let reaped = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(leader), None);
-    assert!(reaped.is_ok(), "the worker was not reaped here: {reaped:?}");
-    assert!(escapee.alive(), "{escapee:?} ended with its worker");
-}
-
 #[test]
 fn a_closed_runs_dead_worker_escapee_is_ended_by_the_reaper_and_recorded() {
     let td = TestDir::new();
     let _subreaper = runwarden::process::become_subreaper().expect("become a subreaper");
-    let GatedEscapee {
-        mut serve,
+    let Died {
         mut db,
         task,
         run,
         escapee,
-        gates,
-    } = start_gated_escapee(
+        _pin,
+    } = escapee_of_a_worker_that_died_unsupervised(
         &td,
         311,
-        "tick = \"200ms\"",
         "[reaper]\ngrace = \"300ms\"\nkill_timeout = \"1s\"",
     );
-    let _pin = escapee.pin();
-    kill_serve_then_let_the_worker_exit(&mut serve, &run, &gates, &escapee);
     // Its report had landed: the run is closed, its evidence kept for the reaper.
     db.write(|tx| tx.complete_task(task, Some(run.id), None, runwarden::board::now_millis()));
 
-    let config = td.path().join("config.toml");
-    let mut serve = Serve::start(&config, "serve2");
-    serve.wait_ready(&td.lock_path(), &td.db_path());
+    let serve = serve_again(&td);
     let gone = db.wait_event(task, "terminal_worker_gone", SETTLE);
     let ended = db.wait_event(task, "worker_group_ended", SETTLE);
     assert_eq!(ended.run_id, Some(run.id));
@@ -125,10 +148,5 @@ fn a_closed_runs_dead_worker_escapee_is_ended_by_the_reaper_and_recorded() {
         db.history(task)
     );
     assert_eq!(db.run(run.id).worker_pid, None, "evidence cleared");
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    stop_cleanly(serve);
 }
