@@ -155,6 +155,72 @@ fn terminate_kills_members_left_behind_by_a_leader_reaped_mid_way() {
 }
 
 #[test]
+fn a_leader_that_left_its_group_is_ended_with_the_members_it_left_behind() {
+    // The leader makes its own group, starts a member in it (its environment cleared: no
+    // token finds it), then moves itself to the test's group and becomes `sleep 302`. The
+    // group its pid names lives on with the member: it is ended with the leader, as a previous
+    // supervisor's worker found by pid and fingerprint would be.
+    let sleep = std::ffi::CString::new("/bin/sleep").unwrap();
+    let argv = [sleep.clone(), std::ffi::CString::new("301").unwrap()];
+    let argv_ptrs: Vec<*const libc::c_char> = argv
+        .iter()
+        .map(|a| a.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect();
+    let envp: [*const libc::c_char; 1] = [std::ptr::null()];
+    let test_group = unsafe { libc::getpgrp() };
+    let (argv_addr, envp_addr) = (argv_ptrs.as_ptr() as usize, envp.as_ptr() as usize);
+    let mut cmd = Command::new("/bin/sleep");
+    cmd.arg("302").stdin(Stdio::null());
+    // SAFETY: between fork and exec only async-signal-safe calls (setpgid, fork, execve,
+    // _exit) on memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setpgid(0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            match libc::fork() {
+                0 => {
+                    libc::execve(
+                        (*(argv_addr as *const *const libc::c_char)) as *const libc::c_char,
+                        argv_addr as *const *const libc::c_char,
+                        envp_addr as *const *const libc::c_char,
+                    );
+                    libc::_exit(127);
+                }
+                -1 => return Err(std::io::Error::last_os_error()),
+                _ => {}
+            }
+            if libc::setpgid(0, test_group) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let leader = ChildGuard::spawn(&mut cmd).expect("spawn the leader");
+    let pid = leader.pid();
+    let member = members(pid, 1).remove(0);
+    let _member_guard = common::runtime::WorkerGuard::adopt(member.0, &member.1);
+    assert!(
+        wait_until(SETTLE, || read_stat(member.0)
+            .is_ok_and(|s| s.comm == "sleep")),
+        "the member never became sleep"
+    );
+    assert_eq!(
+        read_stat(pid).unwrap().pgrp,
+        test_group,
+        "the leader left its group"
+    );
+    let fp = fingerprint(pid).unwrap();
+
+    let ended = terminate(&PidfdSignaller, pid, &fp, SETTLE).unwrap();
+
+    assert_eq!(ended, Ended::Sigterm);
+    assert_all_gone(pid, &[member]);
+    assert!(matches!(liveness(pid, &fp), Liveness::Dead(_)));
+}
+
+#[test]
 fn an_escaped_descendant_is_adopted_and_reaped() {
     let _subreaper = become_subreaper().unwrap();
     let me = std::process::id() as Pid;
@@ -276,4 +342,61 @@ fn end_token_carriers_with_an_empty_or_unknown_token_signals_nothing() {
     );
     let token = format!("{:032x}", rand::random::<u128>());
     assert_eq!(end_token_carriers(&token, Duration::MAX).unwrap().count, 0);
+}
+
+#[test]
+fn end_token_carriers_outlasts_a_carrier_that_keeps_forking_away_from_its_pid() {
+    use runwarden::process::descendants::{end_token_carriers, find_by_token, pidfds_by_token};
+
+    // Each hop (~0.2 ms) forks the next and exits at once, TERM ignored: a look finds a pid
+    // that has hopped on by the time it is signalled. The shell allows 900 nested calls: then
+    // it starts over in a fresh shell, five times (about a second of hopping), and settles as
+    // a sleep, so the test ends whatever the code does. "Ended" must not come while it hops.
+    let token = format!("{:032x}", rand::random::<u128>());
+    let hop = r#"trap "" TERM; hop() { n=$((n+1)); if [ $n -gt 900 ]; then h=$((h+1)); [ $h -gt 5 ] && exec sleep 300; export h; exec sh -c "$S"; fi; ( hop ) & exit 0; }; n=0; hop"#;
+    let leader = ChildGuard::spawn(
+        Command::new("sh")
+            .args(["-c", r#"exec sh -c "$S""#])
+            .env("S", hop)
+            .env("h", "0")
+            .env("RUNWARDEN_RUN_TOKEN", &token)
+            .stdin(Stdio::null())
+            .process_group(0),
+    )
+    .unwrap();
+    let cleanup_token = token.clone();
+    let _cleanup = scopeguard(move || {
+        // Until the hopper has settled (its hops are over in about a second).
+        for _ in 0..500 {
+            let found = pidfds_by_token(&cleanup_token).unwrap_or_default();
+            if found.is_empty() {
+                break;
+            }
+            for fd in found {
+                let _ = fd.signal(Signal::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let alive = |token: &str| -> Vec<(Pid, Fingerprint)> {
+        find_by_token(token)
+            .expect("a complete scan of /proc")
+            .into_iter()
+            .filter(|(p, fp)| liveness(*p, fp) == Liveness::Alive)
+            .collect()
+    };
+    assert!(
+        wait_until(SETTLE, || alive(&token)
+            .iter()
+            .any(|(p, _)| *p != leader.pid())),
+        "the hopper never started hopping"
+    );
+
+    let ended = end_token_carriers(&token, Duration::from_millis(50));
+
+    let left = alive(&token);
+    assert!(
+        ended.is_ok() && left.is_empty(),
+        "ended {ended:?} with carriers left: {left:?}"
+    );
 }

@@ -607,16 +607,38 @@ fn end_carriers(
             killed.push(fd);
         }
     }
-    // Whatever carries the token still (forked in the meantime) has had its time.
-    let last: Vec<super::PidFd> = pidfds_by_needle(needle)?
-        .into_iter()
-        .filter(|fd| !known(fd, &carriers) && !known(fd, &late))
-        .collect();
-    for fd in &last {
-        signal_straggler(fd, super::Signal::SIGKILL);
-    }
-    let killed_any = !killed.is_empty() || !last.is_empty();
+    // Whatever carries the token still (forked in the meantime) has had its time: SIGKILL,
+    // and again for as long as new carriers turn up. A process that keeps forking away from
+    // its pid (the parent exits as its child starts) is gone from one look by the time it is
+    // signalled, and only a look that finds nothing new proves the tree gone; one still
+    // turning up after AFTER_SIGKILL fails the end (the run keeps its evidence, the end is
+    // tried again).
     let after_kill = super::deadline_after(super::AFTER_SIGKILL);
+    let mut last: Vec<super::PidFd> = Vec::new();
+    let mut last_count = 0;
+    loop {
+        let found: Vec<super::PidFd> = pidfds_by_needle(needle)?
+            .into_iter()
+            .filter(|fd| !known(fd, &carriers) && !known(fd, &late) && !known(fd, &last))
+            .collect();
+        let Some(first) = found.first() else {
+            break;
+        };
+        if Instant::now() >= after_kill {
+            return Err(super::ProcessError::SurvivedSigkill {
+                pid: first.pid(),
+                after: super::AFTER_SIGKILL,
+            });
+        }
+        for fd in &found {
+            signal_straggler(fd, super::Signal::SIGKILL);
+        }
+        last_count += found.len();
+        // Those that have exited are done with: their pids may come back as new carriers.
+        last.retain(|fd| !fd.wait_exit(Duration::ZERO).unwrap_or(false));
+        last.extend(found);
+    }
+    let killed_any = !killed.is_empty() || last_count > 0;
     for fd in killed.into_iter().chain(&last) {
         let left = after_kill.saturating_duration_since(Instant::now());
         if !fd.wait_exit(left).unwrap_or(false) {
@@ -627,7 +649,7 @@ fn end_carriers(
         }
     }
     Ok(CarriersEnded {
-        count: carriers.len() + late.len() + last.len(),
+        count: carriers.len() + late.len() + last_count,
         sigkill: killed_any,
     })
 }

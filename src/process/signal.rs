@@ -53,7 +53,16 @@ impl Signaller for PidfdSignaller {
         let result = if stat.pgrp == pid {
             pidfd.signal_group(sig)
         } else {
-            pidfd.signal(sig)
+            // It left the group it led: it gets its signal where it is, and what it left behind
+            // gets the same. The pidfd names that group exactly (its members hold the same
+            // `struct pid`, whose number nobody else can take while they live); no members: no
+            // one to signal.
+            pidfd
+                .signal(sig)
+                .and_then(|()| match pidfd.signal_group(sig) {
+                    Err(ProcessError::NoSuchProcess { .. }) => Ok(()),
+                    other => other,
+                })
         };
         tracing::debug!(
             pid,
@@ -126,7 +135,8 @@ pub fn terminate(
         pid,
         expected,
         pidfd: &pidfd,
-        leads_group: stat.pgrp == pid,
+        // One that left the group it led, with members behind, is not ended before they are.
+        leads_group: stat.pgrp == pid || pidfd.group_exists()?,
     };
     let deadline = deadline_after(kill_timeout);
 
@@ -164,6 +174,8 @@ struct Target<'a> {
     pid: Pid,
     expected: &'a Fingerprint,
     pidfd: &'a PidFd,
+    /// The group its pid names (the one it was started to lead) is to be ended with it: it
+    /// leads it, or left it with members behind.
     leads_group: bool,
 }
 

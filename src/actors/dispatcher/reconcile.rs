@@ -550,9 +550,12 @@ impl DispatcherActor {
                 let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
                 let (task_id, pid) = (task.id, run.worker_pid);
                 async move {
-                    // The leader is gone, but what it left (group members, setsid escapees)
-                    // still carries the run's token: end it before the task can run again. One
-                    // still there after SIGKILL leaves the run open (the next tick retries).
+                    // The leader is gone, but what it left (group members, setsid escapees) may
+                    // live on: what carries the run's token is ended before the task can run
+                    // again. One still there after SIGKILL leaves the run open (the next tick
+                    // retries). A member that cleared its environment cannot be proven the
+                    // run's once the leader is reaped (nothing pins its group then) and is not
+                    // signalled (docs/lifecycle.md).
                     let ended = actix_rt::task::spawn_blocking(move || {
                         process::descendants::end_token_carriers(&token, kill)
                     })
