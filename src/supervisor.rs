@@ -29,7 +29,9 @@ use crate::process;
 pub enum SupervisorError {
     #[error(transparent)]
     Lock(#[from] LockError),
-    #[error("cannot create {path}: {source}")]
+    /// The data dir (or a directory in it) cannot be made or read: named with its key, as a
+    /// bad value would be, though it is the machine's answer (exit 1), not the config's.
+    #[error("[supervisor] data_dir: cannot create {path}: {source}")]
     Dir {
         path: std::path::PathBuf,
         source: std::io::Error,
@@ -94,6 +96,7 @@ struct Booted {
 /// them others may write in that cannot be changed refuses the start.
 fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
     use std::os::unix::fs::PermissionsExt;
+    let data_dir_is_ours = data_dir_is_ours(config)?;
     for (dir, mode) in [
         (config.supervisor.data_dir.clone(), None),
         (config.logs_dir(), Some(0o700)),
@@ -129,7 +132,11 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
                 source,
             })?;
         // The data dir's own mode is the control server's to set; here it only loses others'
-        // write access (through it, `logs/` or `work/` could be swapped for a link).
+        // write access (through it, `logs/` or `work/` could be swapped for a link) — when it
+        // is the supervisor's own (see `data_dir_is_ours`).
+        if mode.is_none() && !data_dir_is_ours {
+            continue;
+        }
         let mode = mode.unwrap_or(current & !0o022);
         if current == mode {
             continue;
@@ -149,6 +156,42 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
         }
     }
     Ok(())
+}
+
+/// Whether the data dir may have its mode set by the supervisor (0700, or 0711 when it serves
+/// other users): true when it does not exist yet or is the supervisor's user's. A directory
+/// others may create files in (sticky, like `/tmp`) is refused: it is shared, and making it
+/// the supervisor's would take it from everyone else (as root, `data_dir = "/tmp"` made
+/// `/tmp` 0700). One owned by another user keeps its mode, unless others may write in it
+/// (then a log or a task's directory could be swapped for a link): refused.
+fn data_dir_is_ours(config: &Config) -> Result<bool, SupervisorError> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = &config.supervisor.data_dir;
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return Ok(true); // Not there yet (or in the way: create_dirs says so).
+    };
+    if !meta.is_dir() {
+        return Ok(true);
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o1000 != 0 {
+        return Err(SupervisorError::Config(config.invalid(format!(
+            "[supervisor] data_dir: {} is a shared directory (mode {mode:o}: others may create files in it); give the supervisor a directory of its own, e.g. {}",
+            dir.display(),
+            dir.join("runwarden").display()
+        ))));
+    }
+    if meta.uid() == nix::unistd::geteuid().as_raw() {
+        return Ok(true);
+    }
+    if mode & 0o022 != 0 {
+        return Err(SupervisorError::Config(config.invalid(format!(
+            "[supervisor] data_dir: {} belongs to uid {} and others may write in it (mode {mode:o}); give the supervisor a directory of its own",
+            dir.display(),
+            meta.uid()
+        ))));
+    }
+    Ok(false)
 }
 
 /// An assignee that runs as another user needs a supervisor that may switch to it (root):
@@ -453,6 +496,11 @@ impl SupervisorHandle {
                 board::TaskStatus::Done | board::TaskStatus::Blocked | board::TaskStatus::Archived
             ) {
                 return Ok(task);
+            }
+            // A supervisor that has stopped (shut down over its socket, say) will not settle
+            // it: said at once, as add_task and complete do, not after the whole timeout.
+            if self.thread.as_ref().is_none_or(|t| t.is_finished()) {
+                return Err(SupervisorError::Store(StoreError::stopped()));
             }
             if Instant::now() >= deadline {
                 return Err(SupervisorError::Timeout(timeout));

@@ -103,6 +103,10 @@ fn a_worker_reports_through_the_cli_from_its_environment() {
     // `logs` reads the file directly: with --config it needs no supervisor at all.
     let log2 = ok(&d.cli_with_config(&["logs", &id.to_string()]));
     assert_eq!(log, log2);
+    // Its bytes as they are: `--json` does not apply, and says so (not ignored in silence).
+    let (code, said) = failed(&d.cli(&["--json", "logs", &id.to_string()]));
+    assert_eq!(code, 2, "{said}");
+    assert!(said.contains("--json does not apply to logs"), "{said}");
     d.assert_healthy();
 }
 

@@ -127,5 +127,15 @@ fn a_timeout_that_is_not_a_duration_is_refused() {
         .env("RUNWARDEN_RUN_TOKEN", "t")
         .args(["--socket", &socket, "heartbeat"]);
     refused("RUNWARDEN_CONNECT_WAIT", cmd);
+    // And the followers' (`wait`, `events --follow`): at their start, not at the restart it
+    // was meant for.
+    let task = ok(&d.cli(&["add", "never settles"])).trim().to_string();
+    for args in [vec!["wait", task.as_str()], vec!["events", "--follow"]] {
+        let mut cmd = command();
+        cmd.env("RUNWARDEN_CONNECT_WAIT", "a while")
+            .args(["--socket", &socket])
+            .args(&args);
+        refused("RUNWARDEN_CONNECT_WAIT", cmd);
+    }
     d.assert_healthy();
 }

@@ -530,6 +530,65 @@ fn a_data_dir_that_is_a_file_is_named_as_such() {
         message.contains("has a file, not a directory, on its path"),
         "{message}"
     );
+    // A place nothing may create a directory in (not even root): the key is named too.
+    let config = Config::with_data_dir("/proc/runwarden-test/data");
+    let message = match runwarden::Supervisor::start(config) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a supervisor started in /proc"),
+    };
+    assert!(
+        message.starts_with("[supervisor] data_dir: cannot create"),
+        "{message}"
+    );
+}
+
+/// The data dir becomes the supervisor's own (0700) only when it is: a shared directory
+/// (sticky, like `/tmp`) is refused and left as it was — as root, `data_dir = "/tmp"` once
+/// made `/tmp` 0700 — and one of another user's keeps its mode.
+#[test]
+fn a_shared_or_someone_elses_data_dir_keeps_its_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode_of = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let message = match runwarden::Supervisor::start(Config::with_data_dir(&shared)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a supervisor started in a shared directory"),
+    };
+    assert!(
+        message.contains("[supervisor] data_dir") && message.contains("shared directory"),
+        "{message}"
+    );
+    assert_eq!(
+        mode_of(&shared),
+        0o1777,
+        "the shared directory's mode was changed"
+    );
+
+    let theirs = dir.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let uid = free_uid();
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(uid)), None).unwrap();
+    let sup = runwarden::Supervisor::start(Config::with_data_dir(&theirs))
+        .expect("a supervisor in another user's directory (as root)");
+    assert_eq!(
+        mode_of(&theirs),
+        0o755,
+        "another user's directory was made the supervisor's"
+    );
+    sup.shutdown();
+
+    // Another user's that others may write in: refused, left as it was.
+    std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let message = match runwarden::Supervisor::start(Config::with_data_dir(&theirs)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a supervisor started in another user's world-writable directory"),
+    };
+    assert!(message.contains("others may write in it"), "{message}");
+    assert_eq!(mode_of(&theirs), 0o777);
 }
 
 /// A resource limit no worker could be given is refused when a supervisor starts, naming the

@@ -1,6 +1,7 @@
 //! Embedding: `Supervisor::start` works inside a tokio runtime (it runs the supervisor on a
 //! thread of its own), and `supervisor::run` works on a runtime's blocking thread; a data dir
-//! handed over writable by others loses their write access.
+//! handed over writable by others loses their write access; a handle whose supervisor was
+//! stopped from outside says so at once.
 
 #[allow(dead_code)]
 mod common;
@@ -56,5 +57,28 @@ fn a_data_dir_others_may_write_in_loses_their_write_access() {
         .mode()
         & 0o777;
     assert_eq!(mode, 0o755, "others could swap logs/ or work/ for a link");
+    sup.shutdown();
+}
+
+#[test]
+fn waiting_on_a_supervisor_stopped_over_its_socket_ends_at_once() {
+    let td = TestDir::new();
+    let config = lib_config(&td);
+    let socket = config.socket_path();
+    let sup = Supervisor::start(config).expect("start");
+    // No assignee: it stays ready, never settles.
+    let id = sup
+        .add_task(runwarden::board::NewTask::titled("never settles"))
+        .unwrap()
+        .id;
+    let mut client = runwarden::control::client::Client::connect(&socket).expect("connect");
+    client.hello().expect("hello");
+    client.shutdown().expect("shutdown over the socket");
+    // The handle's own calls say it, not a wait of the whole timeout.
+    let waited = sup.wait_for(id, SETTLE);
+    assert!(
+        matches!(&waited, Err(runwarden::SupervisorError::Store(e)) if e.code == "unavailable"),
+        "{waited:?}"
+    );
     sup.shutdown();
 }

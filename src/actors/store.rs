@@ -42,7 +42,8 @@ pub struct StoreError {
 }
 
 impl StoreError {
-    fn stopped() -> Self {
+    /// The store (the supervisor) has stopped: nothing more can be written or waited for.
+    pub(crate) fn stopped() -> Self {
         StoreError {
             code: "unavailable",
             message: "the store is shutting down".into(),

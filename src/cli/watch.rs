@@ -71,7 +71,7 @@ pub fn events(cli: &Cli, out: Out, args: &EventsArgs) -> Result<(), CliError> {
     // away (a restart) is reached again, and the stream goes on after the last event printed:
     // event ids are the board's, so none is missed or printed twice.
     let mut since = args.since;
-    let mut reconnects = Reconnects::default();
+    let mut reconnects = Reconnects::new()?;
     let mut client = connect_riding_out(cli, &mut reconnects, None)?.expect("no deadline to pass");
     loop {
         client.set_read_timeout(None)?;
@@ -122,13 +122,23 @@ fn connect_riding_out(
 /// A follower's reconnections: the pause before the next attempt carries over from one loss
 /// to the next while they come quickly, so a supervisor that keeps dropping the connection
 /// right after answering (a restart loop) is not hammered.
-#[derive(Default)]
 struct Reconnects {
     last: Option<Instant>,
     delay: Duration,
+    /// `RUNWARDEN_CONNECT_WAIT`, read when the command starts: a value that does not parse
+    /// is refused then (exit 2), not at the first restart it was meant for.
+    wait: Duration,
 }
 
 impl Reconnects {
+    fn new() -> Result<Self, CliError> {
+        Ok(Reconnects {
+            last: None,
+            delay: Duration::ZERO,
+            wait: super::connect_wait()?,
+        })
+    }
+
     /// The first pause of a reconnection.
     const FIRST: Duration = Duration::from_millis(50);
     /// The longest pause between two attempts.
@@ -159,7 +169,7 @@ impl Reconnects {
         }
         let path = super::socket_path(cli)?;
         let timeout = super::reply_timeout()?;
-        let wait = super::connect_wait()?;
+        let wait = self.wait;
         eprintln!(
             "runwarden: lost the supervisor ({lost}); reconnecting for up to {}",
             humantime::format_duration(wait)
@@ -219,7 +229,11 @@ fn kind_colour(kind: &str) -> Option<&'static str> {
 /// where its logs are. An operator who may not read the file (the logs directory is the
 /// supervisor's alone: another uid in `allowed_uids`) gets it through the socket instead.
 pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
-    let _ = out;
+    if out.json {
+        return Err(CliError::usage(
+            "--json does not apply to logs: it prints the log's bytes as they are",
+        ));
+    }
     let by_socket = cli.config.is_none()
         && (cli.socket.is_some()
             || std::env::var_os(super::SOCKET_ENV).is_some_and(|s| !s.is_empty()));
@@ -588,7 +602,7 @@ pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
     let progress = std::io::stderr().is_terminal() && !out.json;
     let mut state: BTreeMap<TaskId, TaskStatus> = BTreeMap::new();
     let mut timed_out = false;
-    let mut reconnects = Reconnects::default();
+    let mut reconnects = Reconnects::new()?;
     let Some(mut client) = connect_riding_out(cli, &mut reconnects, deadline)? else {
         return report_wait(&out, &state, true);
     };

@@ -297,6 +297,12 @@ impl Modes {
     }
 }
 
+/// Whether `dir` belongs to the supervisor's user.
+fn owned_by_me(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir).is_ok_and(|m| m.uid() == nix::unistd::geteuid().as_raw())
+}
+
 /// Prepares the directory, clears a stale socket, binds, and sets the modes.
 fn bind(
     socket: &Path,
@@ -317,9 +323,10 @@ fn bind(
     let created = !dir.exists();
     std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
     // The socket's directory is 0700 when it is ours (the data dir, or one we just made), so
-    // other users cannot even reach the socket. A directory the admin chose (e.g. /run) is
-    // left as it is: the socket's own mode and the peer-uid check still apply.
-    if created || same_file(dir, data_dir) {
+    // other users cannot even reach the socket. A directory the admin chose (e.g. /run), or a
+    // data dir of another user's, is left as it is: the socket's own mode and the peer-uid
+    // check still apply.
+    if created || (same_file(dir, data_dir) && owned_by_me(dir)) {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(modes.dir))
             .map_err(io_err("set the mode of", dir))?;
     }
