@@ -121,6 +121,13 @@ fn a_worker_starts_with_its_run_environment_stdio_group_dir_and_default_signals(
 
     let stat = read_stat(pid).expect("stat");
     assert_eq!(stat.pgrp, pid, "the worker leads its own process group");
+    // And its own session: no controlling terminal (field 7 of stat, tty_nr, is 0), and no
+    // other worker can move into its group (setpgid stays within a session).
+    assert_eq!(stat.session, pid, "the worker leads its own session");
+    let raw = fs::read_to_string(proc_dir.join("stat")).expect("stat");
+    let after_comm = &raw[raw.rfind(')').expect("comm") + 2..];
+    let tty_nr = after_comm.split(' ').nth(4).expect("tty_nr");
+    assert_eq!(tty_nr, "0", "the worker has a controlling terminal: {raw}");
     assert_eq!(
         fs::read_link(proc_dir.join("cwd")).expect("cwd"),
         td.data_dir().join("work").join(id.to_string()),

@@ -537,8 +537,7 @@ fn std_command(
         .current_dir(&spec.cwd)
         .stdin(Stdio::null())
         .stdout(log)
-        .stderr(log_err)
-        .process_group(0);
+        .stderr(log_err);
     // The same variables as the clone3 start gives (this visit's closure never fails, so
     // neither does the visit).
     cmd.env_clear();
@@ -558,26 +557,28 @@ fn std_command(
     }
     let limits = rlimit_pairs(&spec.rlimits)?;
     let umask = spec.umask;
-    if umask.is_some() || !limits.is_empty() {
-        // SAFETY: the closure runs between fork and exec; it only calls async-signal-safe
-        // functions (umask, setrlimit) and allocates nothing.
-        unsafe {
-            cmd.pre_exec(move || {
-                if let Some(m) = umask {
-                    libc::umask(m as libc::mode_t);
+    // SAFETY: the closure runs between fork and exec; it only calls async-signal-safe
+    // functions (setsid, umask, setrlimit) and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            // A session (and group) of its own, as the clone3 start gives.
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if let Some(m) = umask {
+                libc::umask(m as libc::mode_t);
+            }
+            for &(resource, value) in &limits {
+                let lim = libc::rlimit {
+                    rlim_cur: value,
+                    rlim_max: value,
+                };
+                if libc::setrlimit(resource, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
                 }
-                for &(resource, value) in &limits {
-                    let lim = libc::rlimit {
-                        rlim_cur: value,
-                        rlim_max: value,
-                    };
-                    if libc::setrlimit(resource, &lim) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
+            }
+            Ok(())
+        });
     }
     Ok(cmd)
 }

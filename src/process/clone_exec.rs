@@ -78,7 +78,7 @@ struct ChildArgs {
 }
 
 /// The child's steps, by the index it reports.
-const STEPS: [&str; 6] = ["", "setpgid", "dup2", "chdir", "reset signals", "execve"];
+const STEPS: [&str; 6] = ["", "setsid", "dup2", "chdir", "reset signals", "execve"];
 
 /// A child [`spawn_leader`] started: its pidfd, and its pid's claim in
 /// [`super::owned::in_flight`] (if one was free), to be dropped once the pid is registered.
@@ -91,7 +91,7 @@ pub struct Started {
 }
 
 /// Starts `path` (argv and envp: NULL-terminated arrays of NUL-terminated strings) in `cwd`
-/// as a process-group leader with the given stdio, and returns its pidfd. The child is not
+/// as the leader of a session and process group of its own, with the given stdio, and returns its pidfd. The child is not
 /// reaped: it is the caller's to wait for (through the pidfd) and to reap.
 pub fn spawn_leader(
     path: &CStr,
@@ -375,7 +375,10 @@ unsafe extern "C" fn child_main(args: *mut ChildArgs) -> ! {
     // SAFETY (whole body): `args` is valid (the parent is held until we exec or exit), and
     // every call is a plain system-call wrapper that neither allocates nor locks.
     unsafe {
-        let step = if libc::setpgid(0, 0) != 0 {
+        // A session of its own (and so a group it leads): no controlling terminal (the
+        // operator's, when the supervisor runs in one, is not the worker's to read), and no
+        // other worker can move into its group (setpgid stays within a session).
+        let step = if libc::setsid() < 0 {
             1
         } else if libc::dup2((*args).stdio[0], 0) < 0
             || libc::dup2((*args).stdio[1], 1) < 0
