@@ -159,12 +159,13 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
 }
 
 /// Whether the data dir may have its mode set by the supervisor (0700, or 0711 when it serves
-/// other users): true when it does not exist yet or is the supervisor's user's. A directory
-/// others may create files in (sticky, like `/tmp`) is refused: it is shared, and making it
-/// the supervisor's would take it from everyone else (as root, `data_dir = "/tmp"` made
-/// `/tmp` 0700). One owned by another user keeps its mode, unless others may write in it
-/// (then a log or a task's directory could be swapped for a link): refused.
-fn data_dir_is_ours(config: &Config) -> Result<bool, SupervisorError> {
+/// other users): true when it does not exist yet, or is the supervisor's user's and holds
+/// nothing but what a supervisor keeps there (`docs/operations.md`). A directory that holds
+/// other things is not the supervisor's alone (as root, `data_dir = "/var/lib"` would have
+/// made `/var/lib` 0700): its mode is left as it is — unless others may write in it (a log or
+/// a task's directory could be swapped for a link), which refuses the start. A shared
+/// directory (sticky and writable by all, like `/tmp`) is named as such.
+pub(crate) fn data_dir_is_ours(config: &Config) -> Result<bool, SupervisorError> {
     use std::os::unix::fs::MetadataExt;
     let dir = &config.supervisor.data_dir;
     let Ok(meta) = std::fs::metadata(dir) else {
@@ -174,24 +175,54 @@ fn data_dir_is_ours(config: &Config) -> Result<bool, SupervisorError> {
         return Ok(true);
     }
     let mode = meta.mode() & 0o7777;
-    if mode & 0o1000 != 0 {
+    if mode & 0o1000 != 0 && mode & 0o002 != 0 {
         return Err(SupervisorError::Config(config.invalid(format!(
-            "[supervisor] data_dir: {} is a shared directory (mode {mode:o}: others may create files in it); give the supervisor a directory of its own, e.g. {}",
+            "[supervisor] data_dir: {} is a shared directory (mode {mode:o}: anyone may create files in it); give the supervisor a directory of its own, e.g. {}",
             dir.display(),
             dir.join("runwarden").display()
         ))));
     }
-    if meta.uid() == nix::unistd::geteuid().as_raw() {
+    let mine = meta.uid() == nix::unistd::geteuid().as_raw();
+    if mine && holds_only_what_a_supervisor_keeps(config) {
         return Ok(true);
     }
     if mode & 0o022 != 0 {
+        let whose = if mine {
+            "holds files that are not the supervisor's".to_string()
+        } else {
+            format!("belongs to uid {}", meta.uid())
+        };
         return Err(SupervisorError::Config(config.invalid(format!(
-            "[supervisor] data_dir: {} belongs to uid {} and others may write in it (mode {mode:o}); give the supervisor a directory of its own",
-            dir.display(),
-            meta.uid()
+            "[supervisor] data_dir: {} {whose} and others may write in it (mode {mode:o}); give the supervisor a directory of its own",
+            dir.display()
         ))));
     }
     Ok(false)
+}
+
+/// Whether every entry of the data dir is one a supervisor keeps there (the board, its lock,
+/// socket, hook token, `logs/`, `work/`). Unreadable: not known to be, so not.
+fn holds_only_what_a_supervisor_keeps(config: &Config) -> bool {
+    const OURS: [&str; 8] = [
+        "board.db",
+        "board.db-wal",
+        "board.db-shm",
+        "board.db-journal",
+        "supervisor.lock",
+        "hooks.token",
+        "logs",
+        "work",
+    ];
+    let socket = config.socket_path();
+    let Ok(entries) = std::fs::read_dir(&config.supervisor.data_dir) else {
+        return false;
+    };
+    entries.into_iter().all(|e| {
+        e.is_ok_and(|e| {
+            let name = e.file_name();
+            OURS.iter().any(|o| name == *o) || e.path() == socket
+        })
+    })
 }
 
 /// An assignee that runs as another user needs a supervisor that may switch to it (root):
@@ -487,6 +518,9 @@ impl SupervisorHandle {
     pub fn wait_for(&self, id: TaskId, timeout: Duration) -> Result<Task, SupervisorError> {
         let deadline = crate::deadline_after(timeout);
         loop {
+            // Whether it had stopped before the read: a task it settled on its way out is
+            // still reported settled.
+            let stopped = self.thread.as_ref().is_none_or(|t| t.is_finished());
             let task = self
                 .services
                 .store
@@ -499,7 +533,7 @@ impl SupervisorHandle {
             }
             // A supervisor that has stopped (shut down over its socket, say) will not settle
             // it: said at once, as add_task and complete do, not after the whole timeout.
-            if self.thread.as_ref().is_none_or(|t| t.is_finished()) {
+            if stopped {
                 return Err(SupervisorError::Store(StoreError::stopped()));
             }
             if Instant::now() >= deadline {

@@ -543,20 +543,32 @@ fn a_data_dir_that_is_a_file_is_named_as_such() {
 }
 
 /// The data dir becomes the supervisor's own (0700) only when it is: a shared directory
-/// (sticky, like `/tmp`) is refused and left as it was — as root, `data_dir = "/tmp"` once
-/// made `/tmp` 0700 — and one of another user's keeps its mode.
+/// (sticky and writable by all, like `/tmp`) is refused and left as it was — as root,
+/// `data_dir = "/tmp"` once made `/tmp` 0700 — and one of another user's, or one holding other
+/// things (as `/var/lib` would), keeps its mode, or is refused if others may write in it.
 #[test]
-fn a_shared_or_someone_elses_data_dir_keeps_its_mode() {
+fn a_data_dir_not_the_supervisors_alone_keeps_its_mode() {
     use std::os::unix::fs::PermissionsExt;
     let mode_of = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    let set_mode = |p: &Path, mode: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    let refused = |dir: &Path| match runwarden::Supervisor::start(Config::with_data_dir(dir)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a supervisor started in {}", dir.display()),
+    };
+    let started = |dir: &Path| {
+        runwarden::Supervisor::start(Config::with_data_dir(dir))
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .shutdown()
+    };
     let dir = tempfile::tempdir().unwrap();
+
     let shared = dir.path().join("shared");
     std::fs::create_dir(&shared).unwrap();
-    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
-    let message = match runwarden::Supervisor::start(Config::with_data_dir(&shared)) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("a supervisor started in a shared directory"),
-    };
+    std::fs::write(shared.join("someone's"), "x").unwrap();
+    set_mode(&shared, 0o1777);
+    let message = refused(&shared);
     assert!(
         message.contains("[supervisor] data_dir") && message.contains("shared directory"),
         "{message}"
@@ -567,28 +579,47 @@ fn a_shared_or_someone_elses_data_dir_keeps_its_mode() {
         "the shared directory's mode was changed"
     );
 
+    // Another user's (the supervisor is root here).
     let theirs = dir.path().join("theirs");
     std::fs::create_dir(&theirs).unwrap();
-    std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o755)).unwrap();
+    set_mode(&theirs, 0o755);
     let uid = free_uid();
     nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(uid)), None).unwrap();
-    let sup = runwarden::Supervisor::start(Config::with_data_dir(&theirs))
-        .expect("a supervisor in another user's directory (as root)");
+    started(&theirs);
     assert_eq!(
         mode_of(&theirs),
         0o755,
         "another user's directory was made the supervisor's"
     );
-    sup.shutdown();
-
-    // Another user's that others may write in: refused, left as it was.
-    std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let message = match runwarden::Supervisor::start(Config::with_data_dir(&theirs)) {
-        Err(e) => e.to_string(),
-        Ok(_) => panic!("a supervisor started in another user's world-writable directory"),
-    };
+    set_mode(&theirs, 0o777);
+    let message = refused(&theirs);
     assert!(message.contains("others may write in it"), "{message}");
     assert_eq!(mode_of(&theirs), 0o777);
+
+    // The supervisor's user's, but holding other things.
+    let busy = dir.path().join("busy");
+    std::fs::create_dir(&busy).unwrap();
+    std::fs::write(busy.join("notes.txt"), "mine").unwrap();
+    set_mode(&busy, 0o755);
+    started(&busy);
+    assert_eq!(
+        mode_of(&busy),
+        0o755,
+        "a directory holding other things was made 0700"
+    );
+    set_mode(&busy, 0o777);
+    let message = refused(&busy);
+    assert!(
+        message.contains("holds files that are not the supervisor's"),
+        "{message}"
+    );
+
+    // Its own, holding only what a supervisor keeps (a board from an earlier start): 0700.
+    let own = dir.path().join("own");
+    started(&own);
+    set_mode(&own, 0o755);
+    started(&own);
+    assert_eq!(mode_of(&own), 0o700);
 }
 
 /// A resource limit no worker could be given is refused when a supervisor starts, naming the

@@ -264,6 +264,9 @@ impl Drop for ControlServer {
 struct Modes {
     dir: u32,
     socket: u32,
+    /// Whether the data dir is the supervisor's alone (`supervisor::data_dir_is_ours`): only
+    /// then is its mode set, when the socket is in it.
+    data_dir_is_ours: bool,
 }
 
 impl Modes {
@@ -293,14 +296,10 @@ impl Modes {
             } else {
                 0o600
             },
+            // Its errors refuse the start before the socket is bound.
+            data_dir_is_ours: crate::supervisor::data_dir_is_ours(config).unwrap_or(false),
         }
     }
-}
-
-/// Whether `dir` belongs to the supervisor's user.
-fn owned_by_me(dir: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(dir).is_ok_and(|m| m.uid() == nix::unistd::geteuid().as_raw())
 }
 
 /// Prepares the directory, clears a stale socket, binds, and sets the modes.
@@ -322,11 +321,11 @@ fn bind(
         .unwrap_or(Path::new("."));
     let created = !dir.exists();
     std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
-    // The socket's directory is 0700 when it is ours (the data dir, or one we just made), so
-    // other users cannot even reach the socket. A directory the admin chose (e.g. /run), or a
-    // data dir of another user's, is left as it is: the socket's own mode and the peer-uid
-    // check still apply.
-    if created || (same_file(dir, data_dir) && owned_by_me(dir)) {
+    // The socket's directory is 0700 when it is ours (the data dir the supervisor may call
+    // its own, or one we just made), so other users cannot even reach the socket. A directory
+    // the admin chose (e.g. /run), or a data dir that is not the supervisor's alone, is left
+    // as it is: the socket's own mode and the peer-uid check still apply.
+    if created || (same_file(dir, data_dir) && modes.data_dir_is_ours) {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(modes.dir))
             .map_err(io_err("set the mode of", dir))?;
     }

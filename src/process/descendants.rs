@@ -624,14 +624,15 @@ fn end_carriers(
         let Some(first) = found.first() else {
             break;
         };
+        for fd in &found {
+            signal_straggler(fd, super::Signal::SIGKILL);
+        }
         if Instant::now() >= after_kill {
+            // Still turning up: SIGKILLed where found, and the end fails (tried again).
             return Err(super::ProcessError::SurvivedSigkill {
                 pid: first.pid(),
                 after: super::AFTER_SIGKILL,
             });
-        }
-        for fd in &found {
-            signal_straggler(fd, super::Signal::SIGKILL);
         }
         last_count += found.len();
         // Those that have exited are done with: their pids may come back as new carriers.
@@ -639,8 +640,10 @@ fn end_carriers(
         last.extend(found);
     }
     let killed_any = !killed.is_empty() || last_count > 0;
+    // Their own AFTER_SIGKILL to be gone in, whatever the looks above took.
+    let gone_by = super::deadline_after(super::AFTER_SIGKILL);
     for fd in killed.into_iter().chain(&last) {
-        let left = after_kill.saturating_duration_since(Instant::now());
+        let left = gone_by.saturating_duration_since(Instant::now());
         if !fd.wait_exit(left).unwrap_or(false) {
             return Err(super::ProcessError::SurvivedSigkill {
                 pid: fd.pid(),

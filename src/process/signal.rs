@@ -19,9 +19,9 @@ pub enum Sent {
 
 /// Who sends signals. Tests inject a failing one.
 pub trait Signaller: Send + Sync {
-    /// Send `sig` to the process group led by `pid` (or to the process alone if it is not a group
-    /// leader, i.e. stat.pgrp != pid), only if `pid` is still the process `expected` names
-    /// (verified through a pidfd held while signalling).
+    /// Send `sig` to the process group led by `pid` (or, if it is no longer in the group its
+    /// pid names, to it and to what is left of that group), only if `pid` is still the process
+    /// `expected` names (verified through a pidfd held while signalling).
     fn send(&self, pid: Pid, expected: &Fingerprint, sig: Signal) -> Result<Sent, ProcessError>;
 
     /// Send `sig` to the group led by the process behind `leader`, a pidfd the caller has
@@ -56,18 +56,19 @@ impl Signaller for PidfdSignaller {
             // It left the group it led: it gets its signal where it is, and what it left behind
             // gets the same. The pidfd names that group exactly (its members hold the same
             // `struct pid`, whose number nobody else can take while they live); no members: no
-            // one to signal.
-            pidfd
-                .signal(sig)
-                .and_then(|()| match pidfd.signal_group(sig) {
-                    Err(ProcessError::NoSuchProcess { .. }) => Ok(()),
-                    other => other,
-                })
+            // one to signal. The leader's signal is what counts: one the group's cannot reach
+            // (a member of another uid's, say) is said, not made the leader's failure.
+            pidfd.signal(sig).inspect(|()| match pidfd.signal_group(sig) {
+                Ok(()) | Err(ProcessError::NoSuchProcess { .. }) => {}
+                Err(e) => {
+                    tracing::warn!(pid, ?sig, error = %e, "cannot signal the group a worker left")
+                }
+            })
         };
         tracing::debug!(
             pid,
             ?sig,
-            group = stat.pgrp == pid,
+            leads_its_group = stat.pgrp == pid,
             ok = result.is_ok(),
             "signal"
         );
@@ -135,8 +136,9 @@ pub fn terminate(
         pid,
         expected,
         pidfd: &pidfd,
-        // One that left the group it led, with members behind, is not ended before they are.
-        leads_group: stat.pgrp == pid || pidfd.group_exists()?,
+        // One that left the group it led, with members behind, is not ended before they are
+        // (as far as can be told: a group that cannot be checked is not waited for).
+        leads_group: stat.pgrp == pid || pidfd.group_exists().unwrap_or(false),
     };
     let deadline = deadline_after(kill_timeout);
 
