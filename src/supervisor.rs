@@ -266,8 +266,21 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     config.check_rlimits()?;
     let lock = LockFile::acquire(&config.lock_path())?;
     // Bound before any actor runs (a live socket refuses the start); served once they are up.
-    let socket =
-        ControlServer::bind(&config).map_err(|e| SupervisorError::Runtime(e.to_string()))?;
+    let socket = ControlServer::bind(&config).map_err(|e| match e {
+        crate::control::server::ControlError::AlreadyServing(_) => {
+            SupervisorError::Runtime(e.to_string())
+        }
+        // Something in the socket's place, or a directory it cannot be made in: named with
+        // the key that put it there.
+        _ => {
+            let key = if config.supervisor.socket.is_some() {
+                "[supervisor] socket"
+            } else {
+                "[supervisor] data_dir"
+            };
+            SupervisorError::Runtime(format!("{key}: {e}"))
+        }
+    })?;
     // Orphaned descendants of workers re-parent to us instead of init, so they can be found
     // and ended with their worker, and their zombies collected.
     let subreaper = if !config.supervisor.subreaper {

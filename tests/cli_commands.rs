@@ -103,6 +103,11 @@ fn a_worker_reports_through_the_cli_from_its_environment() {
     // `logs` reads the file directly: with --config it needs no supervisor at all.
     let log2 = ok(&d.cli_with_config(&["logs", &id.to_string()]));
     assert_eq!(log, log2);
+    // Following the log of a task that does not exist is a mistake said at once, not a wait
+    // for ever (one that exists but has not started is waited for).
+    let (code, said) = failed(&d.cli(&["logs", "999", "--follow"]));
+    assert_eq!(code, 1, "{said}");
+    assert!(said.contains("999"), "{said}");
     // Its bytes as they are: `--json` does not apply, and says so (not ignored in silence).
     let (code, said) = failed(&d.cli(&["--json", "logs", &id.to_string()]));
     assert_eq!(code, 2, "{said}");

@@ -622,6 +622,26 @@ fn a_data_dir_not_the_supervisors_alone_keeps_its_mode() {
     assert_eq!(mode_of(&own), 0o700);
 }
 
+/// Something that is not a socket in the socket's place is never replaced, and the refusal
+/// names the key that put the socket there.
+#[test]
+fn a_socket_path_taken_by_something_else_names_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = dir.path().join("taken");
+    std::fs::create_dir(&taken).unwrap();
+    let mut config = Config::with_data_dir(dir.path().join("data"));
+    config.supervisor.socket = Some(taken.clone());
+    let message = match runwarden::Supervisor::start(config) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a supervisor started with a directory as its socket"),
+    };
+    assert!(
+        message.starts_with("[supervisor] socket:") && message.contains("is not a socket"),
+        "{message}"
+    );
+    assert!(taken.is_dir(), "what was in the socket's place was touched");
+}
+
 /// A resource limit no worker could be given is refused when a supervisor starts, naming the
 /// key — not found out at every spawn (`spawn_failed`). Checked against the starting process:
 /// `nofile` above `fs.nr_open` for anyone, and any limit above this process's hard limit for a

@@ -264,12 +264,31 @@ pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
         })?;
         return copy_to_stdout(&mut file);
     }
+    if opened.is_err() {
+        no_such_task_to_wait_for(cli, args.id)?;
+    }
     follow_file(&path)
+}
+
+/// A log not there yet is waited for — unless the supervisor, asked, says there is no such
+/// task (a typo would otherwise wait for ever). One that cannot be asked (not running: the log
+/// is read from the file) leaves the wait as it was.
+fn no_such_task_to_wait_for(cli: &Cli, id: TaskId) -> Result<(), CliError> {
+    let Ok(mut client) = connect(cli) else {
+        return Ok(());
+    };
+    match client.show_task(id, Some(0)) {
+        Err(e) if e.code() == Some(code::NOT_FOUND) => Err(e.into()),
+        _ => Ok(()),
+    }
 }
 
 /// The log through the supervisor (`read_log`), a piece at a time; with `--follow`, polled for
 /// more, starting over when it was rotated.
 fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
+    if args.follow {
+        no_such_task_to_wait_for(cli, args.id)?;
+    }
     let mut client = connect(cli)?;
     let mut offset = 0u64;
     let mut waiting_noted = false;
