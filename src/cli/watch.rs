@@ -50,7 +50,8 @@ pub struct WaitArgs {
     /// The tasks to wait for.
     #[arg(required = true, value_parser = super::task_id, allow_negative_numbers = true)]
     pub ids: Vec<TaskId>,
-    /// Give up after this long, e.g. "90s", "10m" (exit 124).
+    /// Give up after this long, e.g. "90s", "10m" (exit 124); "0s" looks once and does not
+    /// wait (unlike `RUNWARDEN_TIMEOUT=0s`, which means no limit on each answer).
     #[arg(long, value_parser = humantime::parse_duration)]
     pub timeout: Option<Duration>,
 }
