@@ -97,6 +97,12 @@ struct Booted {
 fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
     use std::os::unix::fs::PermissionsExt;
     let data_dir_is_ours = data_dir_is_ours(config)?;
+    if !data_dir_is_ours {
+        tracing::info!(
+            data_dir = %config.supervisor.data_dir.display(),
+            "the data dir is not the supervisor's alone (another user's, or it holds other things): its mode is left as it is, only other users' traversal may be added"
+        );
+    }
     for (dir, mode) in [
         (config.supervisor.data_dir.clone(), None),
         (config.logs_dir(), Some(0o700)),
@@ -213,16 +219,44 @@ fn holds_only_what_a_supervisor_keeps(config: &Config) -> bool {
         "logs",
         "work",
     ];
+    let dir = &config.supervisor.data_dir;
     let socket = config.socket_path();
-    let Ok(entries) = std::fs::read_dir(&config.supervisor.data_dir) else {
+    // The socket's own entry, however its path is spelled (through a link, with `..`).
+    let socket_here = socket
+        .parent()
+        .is_some_and(|p| same_dir(p, dir))
+        .then(|| socket.file_name().map(|n| n.to_os_string()))
+        .flatten();
+    let Ok(entries) = std::fs::read_dir(dir) else {
         return false;
     };
-    entries.into_iter().all(|e| {
-        e.is_ok_and(|e| {
-            let name = e.file_name();
-            OURS.iter().any(|o| name == *o) || e.path() == socket
+    let others: Vec<String> = entries
+        .filter_map(|e| match e {
+            Ok(e) => {
+                let name = e.file_name();
+                let ours = OURS.iter().any(|o| name == *o) || socket_here.as_ref() == Some(&name);
+                (!ours).then(|| name.to_string_lossy().into_owned())
+            }
+            Err(e) => Some(format!("(unreadable entry: {e})")),
         })
-    })
+        .collect();
+    if !others.is_empty() {
+        tracing::debug!(
+            data_dir = %dir.display(),
+            others = ?others.iter().take(5).collect::<Vec<_>>(),
+            "the data dir holds more than a supervisor keeps there"
+        );
+    }
+    others.is_empty()
+}
+
+/// Whether `a` and `b` are the same directory.
+fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 /// An assignee that runs as another user needs a supervisor that may switch to it (root):

@@ -620,6 +620,16 @@ fn a_data_dir_not_the_supervisors_alone_keeps_its_mode() {
     set_mode(&own, 0o755);
     started(&own);
     assert_eq!(mode_of(&own), 0o700);
+
+    // Its own with something else in it, serving another user now: never narrowed, but given
+    // the traversal that user needs to reach the socket (0700 → 0711).
+    std::fs::write(own.join("board.db.bak"), "a copy").unwrap();
+    let mut serving = Config::with_data_dir(&own);
+    serving.control.allowed_uids = vec![free_uid()];
+    runwarden::Supervisor::start(serving)
+        .expect("start serving another user")
+        .shutdown();
+    assert_eq!(mode_of(&own), 0o711);
 }
 
 /// Something that is not a socket in the socket's place is never replaced, and the refusal

@@ -1,7 +1,7 @@
 //! Where the kernel (before 5.5) or a seccomp filter refuses `clone3`, workers start through
-//! std's `posix_spawn` with the same contract: each variable once (the run's, the assignee's,
+//! std's fork and exec with the same contract: each variable once (the run's, the assignee's,
 //! the supervisor's), stdin from /dev/null, stdout and stderr on the task's log, its own
-//! process group, its task's work dir, the normal scheduling policy. The refusal is forced by a process-wide hook: this file
+//! session and process group, its task's work dir, the normal scheduling policy. The refusal is forced by a process-wide hook: this file
 //! is its own test binary.
 
 #[allow(dead_code)]
@@ -56,8 +56,18 @@ fn a_worker_started_without_clone3_gets_the_same_start() {
     // Field 5 of /proc/<pid>/stat (after the comm in parentheses) is the process group.
     let stat = read("stat.txt");
     let (pid, rest) = stat.split_once(" (").expect("stat");
-    let pgrp = rest.rsplit_once(") ").expect("stat").1.split(' ').nth(2);
-    assert_eq!(pgrp, Some(pid), "the worker leads its own group: {stat}");
+    let fields: Vec<&str> = rest.rsplit_once(") ").expect("stat").1.split(' ').collect();
+    assert_eq!(
+        fields.get(2),
+        Some(&pid),
+        "the worker leads its own group: {stat}"
+    );
+    // Field 6 is the session: its own too, as the clone3 start gives.
+    assert_eq!(
+        fields.get(3),
+        Some(&pid),
+        "the worker leads its own session: {stat}"
+    );
     // The normal scheduling policy (0), though its spawner runs SCHED_BATCH.
     let policy = runwarden::process::parse_stat(&stat).expect("stat").policy;
     assert_eq!(policy, Some(0), "the worker's scheduling policy: {stat}");

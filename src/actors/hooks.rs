@@ -222,7 +222,6 @@ fn run_hook(
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
-        .process_group(0)
         .env(process::descendants::HOOK_TOKEN_VAR, token)
         .env("RUNWARDEN_EVENT_ID", ev.id.to_string())
         .env("RUNWARDEN_EVENT_KIND", &ev.kind)
@@ -235,6 +234,17 @@ fn run_hook(
             "RUNWARDEN_EVENT_RUN_ID",
             ev.run_id.map(|r| r.to_string()).unwrap_or_default(),
         );
+    // A session (and group) of its own, as a worker's: no controlling terminal, and no other
+    // hook or worker can move into its group.
+    // SAFETY: between fork and exec; setsid is async-signal-safe and allocates nothing.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     let owned = process::owned::spawning();
     let mut child = cmd
         .spawn()

@@ -62,7 +62,7 @@ impl LogStart {
 /// A few dedicated threads that start workers, shared by every WorkerActor of a supervisor.
 ///
 /// Starting a process blocks its caller: creating the work dir and log file, and the start
-/// itself (a vfork-style start — clone3 here, posix_spawn in std — holds the caller until the
+/// itself (a vfork-style start — clone3 here, fork + exec in std — holds the caller until the
 /// child has exec'd). Not on an actor thread, then;
 /// and not on a general blocking pool either, where every start woke a parked thread and
 /// starts ran many at once, competing for the same locks and cores as the children they
@@ -511,8 +511,8 @@ fn dev_null() -> std::io::Result<std::rc::Rc<File>> {
     })
 }
 
-/// The worker's start through std's `Command` (posix_spawn, or fork + exec when the child
-/// must change its user, umask or rlimits): for what [`CloneStart::start`] does not do.
+/// The worker's start through std's `Command` (fork + exec: the child starts its own session,
+/// which std's posix_spawn path cannot do): for what [`CloneStart::start`] does not do.
 fn std_command(
     spec: &SpawnSpec,
     program: &str,

@@ -287,9 +287,6 @@ fn no_such_task_to_wait_for(cli: &Cli, id: TaskId) -> Result<(), CliError> {
 /// The log through the supervisor (`read_log`), a piece at a time; with `--follow`, polled for
 /// more, starting over when it was rotated.
 fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
-    if args.follow {
-        no_such_task_to_wait_for(cli, args.id)?;
-    }
     let mut client = connect(cli)?;
     let mut offset = 0u64;
     let mut waiting_noted = false;
@@ -299,6 +296,7 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
             Ok(piece) => piece,
             Err(e) if args.follow && e.code() == Some(code::NOT_FOUND) => {
                 if !waiting_noted {
+                    no_such_task_to_wait_for(cli, args.id)?;
                     eprintln!("runwarden: task {} has no log yet; waiting", args.id);
                     waiting_noted = true;
                 }

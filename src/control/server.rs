@@ -302,6 +302,13 @@ impl Modes {
     }
 }
 
+/// The mode of `dir` when it belongs to the supervisor's user (else `None`: not ours to change).
+fn own_dir_mode(dir: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).ok()?;
+    (meta.uid() == nix::unistd::geteuid().as_raw()).then_some(meta.mode() & 0o7777)
+}
+
 /// Prepares the directory, clears a stale socket, binds, and sets the modes.
 fn bind(
     socket: &Path,
@@ -325,9 +332,18 @@ fn bind(
     // its own, or one we just made), so other users cannot even reach the socket. A directory
     // the admin chose (e.g. /run), or a data dir that is not the supervisor's alone, is left
     // as it is: the socket's own mode and the peer-uid check still apply.
-    if created || (same_file(dir, data_dir) && modes.data_dir_is_ours) {
+    let in_data_dir = same_file(dir, data_dir);
+    if created || (in_data_dir && modes.data_dir_is_ours) {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(modes.dir))
             .map_err(io_err("set the mode of", dir))?;
+    } else if in_data_dir && let Some(current) = own_dir_mode(dir) {
+        // Not the supervisor's alone: never narrowed, only given the traversal other users
+        // need (to reach the socket, or an assignee of theirs its `work/<id>`).
+        let wanted = current | (modes.dir & 0o011);
+        if wanted != current {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(wanted))
+                .map_err(io_err("set the mode of", dir))?;
+        }
     }
     match std::fs::symlink_metadata(socket) {
         Ok(meta) if meta.file_type().is_socket() => {

@@ -14,7 +14,8 @@
 //!   back a pidfd (`CLONE_PIDFD`);
 //! - argv and the environment are prepared by the caller as NUL-terminated blocks.
 //!
-//! The child does what `posix_spawn` did with std's attributes: its own process group, the
+//! The child does what `posix_spawn` did with std's attributes, and a session of its own
+//! (so its own process group), the
 //! three descriptors given as stdin/stdout/stderr (every other descriptor closed, not only
 //! the close-on-exec ones: one the supervisor inherited is not the worker's), the working
 //! directory, SIGPIPE back to its default (the Rust runtime ignores it, and ignored signals
@@ -338,7 +339,7 @@ unsafe fn clone_vfork(
             // No clone3, an unknown flag, or a filter refusing it: std's way still works.
             libc::ENOSYS | libc::EINVAL | libc::EPERM => {
                 if !UNSUPPORTED.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(error = %source, "clone3 refused; workers start through std's posix_spawn from now on");
+                    tracing::warn!(error = %source, "clone3 refused; workers start through std's fork and exec from now on");
                 }
                 CloneExecError::Unsupported(source)
             }
