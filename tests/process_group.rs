@@ -266,9 +266,18 @@ fn scopeguard(f: impl FnOnce()) -> impl Drop {
     Guard(Some(f))
 }
 
+/// The live processes that carry `token` (a complete scan of /proc, or the test fails).
+fn carriers_alive(token: &str) -> Vec<(Pid, Fingerprint)> {
+    runwarden::process::descendants::find_by_token(token)
+        .expect("a complete scan of /proc")
+        .into_iter()
+        .filter(|(p, fp)| liveness(*p, fp) == Liveness::Alive)
+        .collect()
+}
+
 #[test]
 fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
-    use runwarden::process::descendants::{end_token_carriers, find_by_token, pidfds_by_token};
+    use runwarden::process::descendants::{end_token_carriers, pidfds_by_token};
 
     let token = format!("{:032x}", rand::random::<u128>());
     let leader = ChildGuard::spawn(
@@ -287,17 +296,10 @@ fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
             let _ = fd.signal(Signal::SIGKILL);
         }
     });
-    let alive = |token: &str| -> Vec<(Pid, Fingerprint)> {
-        find_by_token(token)
-            .expect("a complete scan of /proc")
-            .into_iter()
-            .filter(|(p, fp)| liveness(*p, fp) == Liveness::Alive)
-            .collect()
-    };
     // Both sleeps are up: one in the leader's group, one in a session of its own.
     assert!(
         wait_until(SETTLE, || {
-            let stats: Vec<_> = alive(&token)
+            let stats: Vec<_> = carriers_alive(&token)
                 .iter()
                 .filter_map(|(p, _)| read_stat(*p).ok())
                 .filter(|s| s.comm == "sleep")
@@ -308,9 +310,9 @@ fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
                     .any(|s| s.session != read_stat(pid).unwrap().session)
         }),
         "the tree never came up: {:?}",
-        alive(&token)
+        carriers_alive(&token)
     );
-    let carriers = alive(&token);
+    let carriers = carriers_alive(&token);
     assert!(carriers.len() >= 3, "{carriers:?}");
 
     let signalled = end_token_carriers(&token, SETTLE)
@@ -325,7 +327,11 @@ fn end_token_carriers_ends_a_tree_with_a_setsid_escapee() {
             liveness(*p, fp)
         );
     }
-    assert!(alive(&token).is_empty(), "{:?}", alive(&token));
+    assert!(
+        carriers_alive(&token).is_empty(),
+        "{:?}",
+        carriers_alive(&token)
+    );
     // Reap the escapee's zombie if a parallel test made us its subreaper.
     let pids: Vec<Pid> = carriers.iter().map(|(p, _)| *p).collect();
     reap_orphans(&|p| !pids.contains(&p) || p == pid);
@@ -346,7 +352,7 @@ fn end_token_carriers_with_an_empty_or_unknown_token_signals_nothing() {
 
 #[test]
 fn end_token_carriers_outlasts_a_carrier_that_keeps_forking_away_from_its_pid() {
-    use runwarden::process::descendants::{end_token_carriers, find_by_token, pidfds_by_token};
+    use runwarden::process::descendants::{end_token_carriers, pidfds_by_token};
 
     // Each hop (~0.2 ms) forks the next and exits at once, TERM ignored: a look finds a pid
     // that has hopped on by the time it is signalled. The shell allows 900 nested calls: then
@@ -378,15 +384,8 @@ fn end_token_carriers_outlasts_a_carrier_that_keeps_forking_away_from_its_pid() 
             std::thread::sleep(Duration::from_millis(10));
         }
     });
-    let alive = |token: &str| -> Vec<(Pid, Fingerprint)> {
-        find_by_token(token)
-            .expect("a complete scan of /proc")
-            .into_iter()
-            .filter(|(p, fp)| liveness(*p, fp) == Liveness::Alive)
-            .collect()
-    };
     assert!(
-        wait_until(SETTLE, || alive(&token)
+        wait_until(SETTLE, || carriers_alive(&token)
             .iter()
             .any(|(p, _)| *p != leader.pid())),
         "the hopper never started hopping"
@@ -394,7 +393,7 @@ fn end_token_carriers_outlasts_a_carrier_that_keeps_forking_away_from_its_pid() 
 
     let ended = end_token_carriers(&token, Duration::from_millis(50));
 
-    let left = alive(&token);
+    let left = carriers_alive(&token);
     assert!(
         ended.is_ok() && left.is_empty(),
         "ended {ended:?} with carriers left: {left:?}"
