@@ -97,6 +97,11 @@ struct Booted {
 fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
     use std::os::unix::fs::PermissionsExt;
     let data_dir_is_ours = data_dir_is_ours(config)?;
+    let me = nix::unistd::geteuid().as_raw();
+    let other_users_work = config
+        .assignees
+        .values()
+        .any(|a| a.uid.is_some_and(|u| u != me));
     if !data_dir_is_ours {
         tracing::info!(
             data_dir = %config.supervisor.data_dir.display(),
@@ -137,13 +142,24 @@ fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
                 path: dir.clone(),
                 source,
             })?;
-        // The data dir's own mode is the control server's to set; here it only loses others'
-        // write access (through it, `logs/` or `work/` could be swapped for a link) — when it
-        // is the supervisor's own (see `data_dir_is_ours`).
-        if mode.is_none() && !data_dir_is_ours {
-            continue;
-        }
-        let mode = mode.unwrap_or(current & !0o022);
+        // The data dir's own mode is the control server's to set (when the socket is in it);
+        // here it only loses others' write access (through it, `logs/` or `work/` could be
+        // swapped for a link) when it is the supervisor's own (see `data_dir_is_ours`), and
+        // gains the traversal a worker of another user needs to reach its `work/<id>` when it
+        // is the supervisor's user's — whatever an earlier start left (0700, the socket since
+        // moved elsewhere).
+        let mode = mode.unwrap_or_else(|| {
+            let kept = if data_dir_is_ours {
+                current & !0o022
+            } else {
+                current
+            };
+            if other_users_work && owned_by_me(&dir) {
+                kept | 0o011
+            } else {
+                kept
+            }
+        });
         if current == mode {
             continue;
         }
@@ -248,6 +264,12 @@ fn holds_only_what_a_supervisor_keeps(config: &Config) -> bool {
         );
     }
     others.is_empty()
+}
+
+/// Whether `dir` belongs to the supervisor's user.
+fn owned_by_me(dir: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir).is_ok_and(|m| m.uid() == nix::unistd::geteuid().as_raw())
 }
 
 /// Whether `a` and `b` are the same directory.

@@ -21,8 +21,18 @@ const NOBODY: u32 = 65534;
 /// Runs one task of assignee `w` (configured by `assignee_keys`, command `sh -c script`) under
 /// `runwarden serve` until it is done; returns its log and its working directory.
 fn run_one(td: &TestDir, assignee_keys: &str, script: &str) -> (String, PathBuf) {
+    run_one_with(td, "", assignee_keys, script)
+}
+
+/// [`run_one`] with `supervisor_keys` added to `[supervisor]`.
+fn run_one_with(
+    td: &TestDir,
+    supervisor_keys: &str,
+    assignee_keys: &str,
+    script: &str,
+) -> (String, PathBuf) {
     let config = td.write_config(
-        "tick = \"100ms\"",
+        &format!("tick = \"100ms\"\n{supervisor_keys}"),
         &format!("[assignees.w]\ncommand = [\"sh\", \"-c\", {script:?}]\n{assignee_keys}\n"),
     );
     fs::create_dir_all(td.data_dir()).unwrap();
@@ -126,6 +136,33 @@ fn user_nobody_works_in_its_default_working_directory() {
     assert_eq!(lines(&log), ["65534", cwd.to_str().unwrap()], "{log}");
     let meta = fs::metadata(cwd.join("by-worker")).expect("the worker wrote its file");
     assert_eq!(meta.uid(), NOBODY);
+}
+
+/// A data dir left 0700 by an earlier start, with the socket now elsewhere: a worker of
+/// another user must still reach its `work/<id>` through it (traversal, nothing more).
+#[test]
+fn user_nobody_reaches_its_work_dir_when_the_socket_is_elsewhere() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root to drop privileges"
+    );
+    let td = TestDir::new();
+    fs::set_permissions(td.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    fs::create_dir_all(td.data_dir()).unwrap();
+    fs::set_permissions(td.data_dir(), fs::Permissions::from_mode(0o700)).unwrap();
+    let sockets = td.path().join("sockets");
+    let (log, cwd) = run_one_with(
+        &td,
+        &format!("socket = {:?}", sockets.join("s.sock")),
+        "user = \"nobody\"",
+        "id -u; pwd",
+    );
+    assert_eq!(lines(&log), ["65534", cwd.to_str().unwrap()], "{log}");
+    let mode = fs::metadata(td.data_dir()).unwrap().permissions().mode() & 0o777;
+    assert_eq!(
+        mode, 0o711,
+        "traversable by the worker's user, nothing more"
+    );
 }
 
 /// A worker that runs as another user reports over the control socket (its user may connect,
