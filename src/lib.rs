@@ -25,6 +25,8 @@
 //!   embedding, [`supervisor::run`] for `runwarden serve`.
 //! - [`config`]: `config.toml`, every key defaulted, unknown keys refused by name.
 //! - [`lock`]: one supervisor per board (an `flock`ed lock file naming its holder).
+//! - `data_dir` (internal): the data directory's `logs/` and `work/`, whether it is the
+//!   supervisor's alone, and the modes that follow.
 //! - [`cli`]: the thin `runwarden` command line.
 #![deny(rust_2018_idioms)]
 
@@ -33,6 +35,7 @@ pub mod board;
 pub mod cli;
 pub mod config;
 pub mod control;
+mod data_dir;
 pub mod lock;
 pub mod process;
 pub mod supervisor;

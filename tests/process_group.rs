@@ -373,16 +373,13 @@ fn end_token_carriers_outlasts_a_carrier_that_keeps_forking_away_from_its_pid() 
     let cleanup_token = token.clone();
     let _cleanup = scopeguard(move || {
         // Until the hopper has settled (its hops are over in about a second).
-        for _ in 0..500 {
+        wait_until(SETTLE, || {
             let found = pidfds_by_token(&cleanup_token).unwrap_or_default();
-            if found.is_empty() {
-                break;
-            }
-            for fd in found {
+            for fd in &found {
                 let _ = fd.signal(Signal::SIGKILL);
             }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+            found.is_empty()
+        });
     });
     assert!(
         wait_until(SETTLE, || carriers_alive(&token)

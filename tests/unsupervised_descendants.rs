@@ -12,7 +12,7 @@
 #[allow(dead_code)]
 mod common;
 
-use common::lifecycle::{Db, GatedEscapee, Seen, View, open_gate, start_gated_escapee, stop_serve};
+use common::lifecycle::{Db, GatedEscapee, Seen, View, open_gate, start_gated_escapee};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard};
 use runwarden::board::{Run, TaskId};
@@ -34,7 +34,7 @@ fn a_dead_workers_escapee_found_at_the_next_start_is_ended_and_recorded() {
         "[reaper]\nkill_timeout = \"1s\"\n\n[retries]\nmax_retries = 0",
     );
 
-    let serve = serve_again(&td);
+    let mut serve = serve_again(&td);
     let ended = db.wait_event(task, "worker_group_ended", SETTLE);
     assert_eq!(ended.run_id, Some(run.id));
     assert_eq!(ended.payload["ended_by"], "sigterm", "{ended:?}");
@@ -50,7 +50,7 @@ fn a_dead_workers_escapee_found_at_the_next_start_is_ended_and_recorded() {
         db.history(task)
     );
     assert_eq!(db.run(run.id).worker_pid, None, "evidence cleared");
-    stop_cleanly(serve);
+    serve.stop_cleanly(Signal::SIGTERM);
 }
 
 /// A worker that leaves a `setsid` escapee (`secs` long) and dies while no supervisor runs:
@@ -108,16 +108,6 @@ fn serve_again(td: &TestDir) -> Serve {
     serve
 }
 
-/// SIGTERMs `serve` and checks that it stopped cleanly (exit 0).
-fn stop_cleanly(mut serve: Serve) {
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
-}
-
 #[test]
 fn a_closed_runs_dead_worker_escapee_is_ended_by_the_reaper_and_recorded() {
     let td = TestDir::new();
@@ -136,7 +126,7 @@ fn a_closed_runs_dead_worker_escapee_is_ended_by_the_reaper_and_recorded() {
     // Its report had landed: the run is closed, its evidence kept for the reaper.
     db.write(|tx| tx.complete_task(task, Some(run.id), None, runwarden::board::now_millis()));
 
-    let serve = serve_again(&td);
+    let mut serve = serve_again(&td);
     let gone = db.wait_event(task, "terminal_worker_gone", SETTLE);
     let ended = db.wait_event(task, "worker_group_ended", SETTLE);
     assert_eq!(ended.run_id, Some(run.id));
@@ -148,5 +138,5 @@ fn a_closed_runs_dead_worker_escapee_is_ended_by_the_reaper_and_recorded() {
         db.history(task)
     );
     assert_eq!(db.run(run.id).worker_pid, None, "evidence cleared");
-    stop_cleanly(serve);
+    serve.stop_cleanly(Signal::SIGTERM);
 }

@@ -34,10 +34,7 @@ impl ReapCandidate {
     /// Whether its worker closed the run itself (reported `completed` or `blocked`), so that
     /// ending it now is a terminal reap after its grace, not the end of a forced close.
     pub fn closed_by_its_worker(&self) -> bool {
-        matches!(
-            self.outcome,
-            Some(RunOutcome::Completed | RunOutcome::Blocked)
-        )
+        self.outcome.is_some_and(RunOutcome::closed_by_its_worker)
     }
 }
 

@@ -110,6 +110,15 @@ string_enum! {
     }
 }
 
+impl RunOutcome {
+    /// True when the worker closed its own run (reported `complete` or `block`): it gets the
+    /// grace to finish and exit; any other close wants it gone at once. (The reaper's SQL,
+    /// `terminal_reap_candidates`, spells the same rule.)
+    pub fn closed_by_its_worker(self) -> bool {
+        matches!(self, RunOutcome::Completed | RunOutcome::Blocked)
+    }
+}
+
 /// A task row.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Task {

@@ -264,7 +264,7 @@ impl Drop for ControlServer {
 struct Modes {
     dir: u32,
     socket: u32,
-    /// Whether the data dir is the supervisor's alone (`supervisor::data_dir_is_ours`): only
+    /// Whether the data dir is the supervisor's alone (`data_dir::is_ours`): only
     /// then is its mode set, when the socket is in it.
     data_dir_is_ours: bool,
 }
@@ -297,16 +297,9 @@ impl Modes {
                 0o600
             },
             // Its errors refuse the start before the socket is bound.
-            data_dir_is_ours: crate::supervisor::data_dir_is_ours(config).unwrap_or(false),
+            data_dir_is_ours: crate::data_dir::is_ours(config).unwrap_or(false),
         }
     }
-}
-
-/// The mode of `dir` when it belongs to the supervisor's user (else `None`: not ours to change).
-fn own_dir_mode(dir: &Path) -> Option<u32> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(dir).ok()?;
-    (meta.uid() == nix::unistd::geteuid().as_raw()).then_some(meta.mode() & 0o7777)
 }
 
 /// Prepares the directory, clears a stale socket, binds, and sets the modes.
@@ -332,11 +325,11 @@ fn bind(
     // its own, or one we just made), so other users cannot even reach the socket. A directory
     // the admin chose (e.g. /run), or a data dir that is not the supervisor's alone, is left
     // as it is: the socket's own mode and the peer-uid check still apply.
-    let in_data_dir = same_file(dir, data_dir);
+    let in_data_dir = crate::data_dir::same_file(dir, data_dir);
     if created || (in_data_dir && modes.data_dir_is_ours) {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(modes.dir))
             .map_err(io_err("set the mode of", dir))?;
-    } else if in_data_dir && let Some(current) = own_dir_mode(dir) {
+    } else if in_data_dir && let Some(current) = crate::data_dir::owned_mode(dir) {
         // Not the supervisor's alone: never narrowed, only given the traversal other users
         // need (to reach the socket, or an assignee of theirs its `work/<id>`).
         let wanted = current | (modes.dir & 0o011);
@@ -379,13 +372,6 @@ fn remove_if_ours(socket: &Path, identity: (u64, u64)) {
             }
         }
         _ => {}
-    }
-}
-
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-        _ => false,
     }
 }
 

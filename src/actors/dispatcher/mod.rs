@@ -613,9 +613,10 @@ impl DispatcherActor {
         outcome: Option<RunOutcome>,
         ended_at: board::Millis,
     ) {
-        let grace = match outcome {
-            Some(RunOutcome::Completed | RunOutcome::Blocked) => self.config.reaper.grace,
-            _ => Duration::ZERO,
+        let grace = if outcome.is_some_and(RunOutcome::closed_by_its_worker) {
+            self.config.reaper.grace
+        } else {
+            Duration::ZERO
         };
         let closed = RunClosed {
             run_id,

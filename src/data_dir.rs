@@ -1,0 +1,200 @@
+//! The data directory: its `logs/` and `work/`, whether it is the supervisor's alone, and the
+//! modes that follow from that (`docs/operations.md`, "The data directory").
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+
+use crate::config::Config;
+use crate::supervisor::SupervisorError;
+
+/// The data dir and its `logs/` and `work/`. The data dir's own mode is the control server's
+/// when the socket is in it and the dir is the supervisor's alone ([`is_ours`]); here it only
+/// loses others' write access (then) and gains the traversal other users' workers need;
+/// inside it `logs/` is 0700 (other operators read logs through the socket) and
+/// `work/` 0711 (a worker running as another user must reach its own `work/<id>`, which is
+/// 0700 and its), set on every start so a board from before these modes gets them too. One of
+/// them others may write in that cannot be changed refuses the start.
+pub(crate) fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
+    let data_dir_is_ours = is_ours(config)?;
+    let me = nix::unistd::geteuid().as_raw();
+    let other_users_work = config
+        .assignees
+        .values()
+        .any(|a| a.uid.is_some_and(|u| u != me));
+    if !data_dir_is_ours {
+        tracing::info!(
+            data_dir = %config.supervisor.data_dir.display(),
+            "the data dir is not the supervisor's alone (another user's, or it holds other things): its mode is left as it is, only other users' traversal may be added"
+        );
+    }
+    for (dir, mode) in [
+        (config.supervisor.data_dir.clone(), None),
+        (config.logs_dir(), Some(0o700)),
+        (config.work_dir(), Some(0o711)),
+    ] {
+        std::fs::create_dir_all(&dir).map_err(|source| {
+            // "File exists" reads like success: say what is in the way.
+            let problem = match source.kind() {
+                std::io::ErrorKind::AlreadyExists => Some("is not a directory"),
+                std::io::ErrorKind::NotADirectory => Some("has a file, not a directory, on its path"),
+                _ => None,
+            };
+            if let Some(problem) = problem {
+                let what = if dir == config.supervisor.data_dir {
+                    ""
+                } else {
+                    " (inside the data dir)"
+                };
+                return SupervisorError::Config(config.invalid(format!(
+                    "[supervisor] data_dir: {} {problem}{what}; move the file away or choose another data_dir",
+                    dir.display()
+                )));
+            }
+            SupervisorError::Dir {
+                path: dir.clone(),
+                source,
+            }
+        })?;
+        let current = std::fs::metadata(&dir)
+            .map(|m| m.permissions().mode() & 0o7777)
+            .map_err(|source| SupervisorError::Dir {
+                path: dir.clone(),
+                source,
+            })?;
+        // The data dir's own mode is the control server's to set (when the socket is in it);
+        // here it only loses others' write access (through it, `logs/` or `work/` could be
+        // swapped for a link) when it is the supervisor's own (see `data_dir_is_ours`), and
+        // gains the traversal a worker of another user needs to reach its `work/<id>` when it
+        // is the supervisor's user's — whatever an earlier start left (0700, the socket since
+        // moved elsewhere).
+        let mode = mode.unwrap_or_else(|| {
+            let kept = if data_dir_is_ours {
+                current & !0o022
+            } else {
+                current
+            };
+            if other_users_work && owned_mode(&dir).is_some() {
+                kept | 0o011
+            } else {
+                kept
+            }
+        });
+        if current == mode {
+            continue;
+        }
+        // A directory someone else prepared (and owns) may refuse the change. That is theirs
+        // to decide — unless others may write in it: then they could put a link in a log's
+        // or a task's place and have the supervisor write (or read, or rotate) wherever it
+        // points.
+        if let Err(e) = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)) {
+            if current & 0o022 != 0 {
+                return Err(SupervisorError::Runtime(format!(
+                    "{} is writable by others (mode {current:o}) and cannot be made {mode:o}: {e}; give it to the supervisor's user or take others' write access away",
+                    dir.display()
+                )));
+            }
+            tracing::warn!(path = %dir.display(), mode = format!("{current:o}"), error = %e, "cannot chmod a data directory; left as it is (only its owner may write in it)");
+        }
+    }
+    Ok(())
+}
+
+/// Whether the data dir may have its mode set by the supervisor (0700, or 0711 when it serves
+/// other users): true when it does not exist yet, or is the supervisor's user's and holds
+/// nothing but what a supervisor keeps there (`docs/operations.md`). A directory that holds
+/// other things is not the supervisor's alone (as root, `data_dir = "/var/lib"` would have
+/// made `/var/lib` 0700): its mode is left as it is — unless others may write in it (a log or
+/// a task's directory could be swapped for a link), which refuses the start. A shared
+/// directory (sticky and writable by all, like `/tmp`) is named as such.
+pub(crate) fn is_ours(config: &Config) -> Result<bool, SupervisorError> {
+    let dir = &config.supervisor.data_dir;
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return Ok(true); // Not there yet (or in the way: create_dirs says so).
+    };
+    if !meta.is_dir() {
+        return Ok(true);
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o1000 != 0 && mode & 0o002 != 0 {
+        return Err(SupervisorError::Config(config.invalid(format!(
+            "[supervisor] data_dir: {} is a shared directory (mode {mode:o}: anyone may create files in it); give the supervisor a directory of its own, e.g. {}",
+            dir.display(),
+            dir.join("runwarden").display()
+        ))));
+    }
+    let mine = meta.uid() == nix::unistd::geteuid().as_raw();
+    if mine && holds_only_what_a_supervisor_keeps(config) {
+        return Ok(true);
+    }
+    if mode & 0o022 != 0 {
+        let whose = if mine {
+            "holds files that are not the supervisor's".to_string()
+        } else {
+            format!("belongs to uid {}", meta.uid())
+        };
+        return Err(SupervisorError::Config(config.invalid(format!(
+            "[supervisor] data_dir: {} {whose} and others may write in it (mode {mode:o}); give the supervisor a directory of its own",
+            dir.display()
+        ))));
+    }
+    Ok(false)
+}
+
+/// Whether every entry of the data dir is one a supervisor keeps there (the board, its lock,
+/// socket, hook token, `logs/`, `work/`). Unreadable: not known to be, so not.
+fn holds_only_what_a_supervisor_keeps(config: &Config) -> bool {
+    const OURS: [&str; 8] = [
+        "board.db",
+        "board.db-wal",
+        "board.db-shm",
+        "board.db-journal",
+        "supervisor.lock",
+        "hooks.token",
+        "logs",
+        "work",
+    ];
+    let dir = &config.supervisor.data_dir;
+    let socket = config.socket_path();
+    // The socket's own entry, however its path is spelled (through a link, with `..`).
+    let socket_here = socket
+        .parent()
+        .is_some_and(|p| same_file(p, dir))
+        .then(|| socket.file_name().map(|n| n.to_os_string()))
+        .flatten();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    let others: Vec<String> = entries
+        .filter_map(|e| match e {
+            Ok(e) => {
+                let name = e.file_name();
+                let ours = OURS.iter().any(|o| name == *o) || socket_here.as_ref() == Some(&name);
+                (!ours).then(|| name.to_string_lossy().into_owned())
+            }
+            Err(e) => Some(format!("(unreadable entry: {e})")),
+        })
+        .collect();
+    if !others.is_empty() {
+        tracing::debug!(
+            data_dir = %dir.display(),
+            others = ?others.iter().take(5).collect::<Vec<_>>(),
+            "the data dir holds more than a supervisor keeps there"
+        );
+    }
+    others.is_empty()
+}
+
+/// The mode of `dir` when it belongs to the supervisor's user (else `None`: not its to
+/// change).
+pub(crate) fn owned_mode(dir: &Path) -> Option<u32> {
+    let meta = std::fs::metadata(dir).ok()?;
+    (meta.uid() == nix::unistd::geteuid().as_raw()).then_some(meta.mode() & 0o7777)
+}
+
+/// Whether `a` and `b` name the same file (however their paths are spelled).
+pub(crate) fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
