@@ -89,7 +89,8 @@ struct Booted {
 }
 
 /// An assignee that runs as another user needs a supervisor that may switch to it (root):
-/// refused at start, not found out by every spawn failing.
+/// refused at start as the config mistake it is, naming the key, not found out by every spawn
+/// failing.
 fn can_switch_users(config: &Config) -> Result<(), SupervisorError> {
     let (euid, egid) = (
         nix::unistd::geteuid().as_raw(),
@@ -99,21 +100,25 @@ fn can_switch_users(config: &Config) -> Result<(), SupervisorError> {
         return Ok(());
     }
     for (name, a) in &config.assignees {
-        let other_user = a.uid.is_some_and(|u| u != euid);
-        let other_group = a.gid.is_some_and(|g| g != egid);
-        if other_user || other_group {
-            let who: Vec<String> = [
-                a.uid.map(|u| format!("uid {u}")),
-                a.gid.map(|g| format!("gid {g}")),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
-            return Err(SupervisorError::Runtime(format!(
-                "assignee `{name}` runs as {}; switching to another user or group needs root (this supervisor runs as uid {euid}, gid {egid})",
-                who.join(", ")
-            )));
-        }
+        // The key to name: the one written (a name or number), else the id set in code.
+        let (key, who) = if let Some(uid) = a.uid.filter(|&u| u != euid) {
+            let key = if a.user.is_some() { "user" } else { "uid" };
+            (key, format!("uid {uid}"))
+        } else if let Some(gid) = a.gid.filter(|&g| g != egid) {
+            // A gid that came with `user` (its primary group) is named by `user`.
+            let key = match (&a.group, &a.user) {
+                (Some(_), _) => "group",
+                (None, Some(_)) => "user",
+                (None, None) => "gid",
+            };
+            (key, format!("gid {gid}"))
+        } else {
+            continue;
+        };
+        return Err(SupervisorError::Config(config.invalid(format!(
+            "[assignees.{name}] {key}: runs the worker as {who}; switching to another user or \
+             group needs root (this supervisor runs as uid {euid}, gid {egid})"
+        ))));
     }
     Ok(())
 }

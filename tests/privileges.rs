@@ -1,8 +1,8 @@
 //! Worker privileges with the real `runwarden serve` (running as root): `user = "nobody"` runs
 //! the worker as uid/gid 65534 without root's supplementary groups, `umask = "077"` applies to
 //! what it creates, `rlimits = { nofile = 64 }` applies (`ulimit -n` prints 64), and an unknown
-//! user is a configuration error when `serve` starts (exit 2, naming `user`), not a crash at
-//! the first spawn.
+//! user — or one a supervisor that is not root cannot switch to — is a configuration error when
+//! `serve` starts (exit 2, naming `user`), not a failure at every spawn.
 
 #[allow(dead_code)]
 mod common;
@@ -259,4 +259,40 @@ fn an_unknown_user_is_a_config_error_at_start() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(!td.db_path().exists(), "refused before opening any board");
+}
+
+/// A supervisor that is not root cannot run a worker as another user: refused at start as the
+/// config's mistake (exit 2), naming the assignee's `user` key, before any board is made.
+#[test]
+fn a_user_a_non_root_supervisor_cannot_switch_to_is_a_config_error_at_start() {
+    use std::os::unix::process::CommandExt;
+    let td = TestDir::new();
+    // `nobody` reads the config and the binary's copy, and may create the data dir.
+    fs::set_permissions(td.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let binary = td.path().join("runwarden");
+    common::copy_executable(
+        std::path::Path::new(env!("CARGO_BIN_EXE_runwarden")),
+        &binary,
+    );
+    let config = td.write_config("", "[assignees.w]\ncommand = [\"true\"]\nuser = \"root\"\n");
+    fs::set_permissions(&config, fs::Permissions::from_mode(0o644)).unwrap();
+    let mut cmd = std::process::Command::new(&binary);
+    common::control_daemon::scrub_env(&mut cmd);
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .uid(NOBODY)
+        .gid(NOBODY); // std drops root's supplementary groups with the uid
+    let out = common::control_daemon::run(cmd);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a configuration error exits 2: {stderr}"
+    );
+    assert!(
+        stderr.contains("[assignees.w] user") && stderr.contains("needs root"),
+        "names the key and why: {stderr}"
+    );
+    assert!(!td.data_dir().exists(), "refused before making a data dir");
 }
