@@ -169,6 +169,35 @@ impl Tx<'_> {
     }
 }
 
+impl Tx<'_> {
+    /// Records what the tick's sweep for strays ended (`stray_descendants_ended`): processes
+    /// that carried a finished run's token and turned up re-parented to the supervisor after
+    /// its worker's tree had been ended. Every process the supervisor signals is on the
+    /// record. Nothing is written for a run no longer on the board (pruned meanwhile).
+    pub fn record_strays_ended(
+        &self,
+        run_id: RunId,
+        pids: &[process::Pid],
+        sigkill: bool,
+        now: Millis,
+    ) -> Result<bool> {
+        let task_id = match self.get_run(run_id) {
+            Ok(run) => run.task_id,
+            Err(super::BoardError::NotFound { .. }) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let how = if sigkill { "sigkill" } else { "sigterm" };
+        self.append_event(
+            Some(task_id),
+            Some(run_id),
+            "stray_descendants_ended",
+            json!({ "pids": pids, "ended_by": how }),
+            now,
+        )?;
+        Ok(true)
+    }
+}
+
 /// Decides and acts on one candidate: probes liveness, and ends the group only when the
 /// process is provably the one recorded. Errors (signal failures) are returned to the caller,
 /// which logs and skips the row.

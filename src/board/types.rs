@@ -345,7 +345,7 @@ pub struct Failure {
 
 /// Every event kind the board writes (docs/lifecycle.md lists what each means). Hooks are
 /// checked against it at load, so `on = ["gaveup"]` is refused instead of never firing.
-pub const EVENT_KINDS: [&str; 26] = [
+pub const EVENT_KINDS: [&str; 27] = [
     "created",
     "linked",
     "commented",
@@ -358,6 +358,7 @@ pub const EVENT_KINDS: [&str; 26] = [
     "heartbeat",
     "worker_exited",
     "worker_group_ended",
+    "stray_descendants_ended",
     "run_closed",
     "completed",
     "blocked",

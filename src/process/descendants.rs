@@ -450,14 +450,14 @@ pub fn live_orphans(children: &[super::ProcStat]) -> Vec<Orphan> {
 /// another supervisor sharing this process, or a worker left running for adoption, carries a
 /// token the caller cannot vouch for and must never be signalled. Orphans without a run id or
 /// token are left alone. Each is signalled through a pidfd verified against the fingerprint
-/// read before its environment (SIGTERM; SIGKILL after `kill_timeout`). Blocking. Returns the
-/// pids ended. `children`: as for [`live_orphans`].
+/// read before its environment (SIGTERM; SIGKILL after `kill_timeout`). Blocking. Returns what
+/// was ended, for the caller to record. `children`: as for [`live_orphans`].
 pub fn end_stray_orphans(
     children: &[super::ProcStat],
     is_stray: &dyn Fn(i64, &str) -> bool,
     kill_timeout: Duration,
-) -> Vec<Pid> {
-    let mut fds = Vec::new();
+) -> Vec<EndedStray> {
+    let mut signalled = Vec::new();
     for orphan in live_orphans(children) {
         let (Some(token), Some(run_id)) = (&orphan.token, orphan.run_id) else {
             continue;
@@ -468,17 +468,35 @@ pub fn end_stray_orphans(
         if let Ok(super::Verified::Ours(fd)) = super::open_verified(orphan.pid, &orphan.fingerprint)
         {
             signal_straggler(&fd, super::Signal::SIGTERM);
-            fds.push(fd);
+            signalled.push((run_id, fd));
         }
     }
     let deadline = super::deadline_after(kill_timeout);
-    for fd in &fds {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if !fd.wait_exit(left).unwrap_or(false) {
-            signal_straggler(fd, super::Signal::SIGKILL);
-        }
-    }
-    fds.iter().map(|fd| fd.pid()).collect()
+    signalled
+        .into_iter()
+        .map(|(run_id, fd)| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let sigkill = !fd.wait_exit(left).unwrap_or(false);
+            if sigkill {
+                signal_straggler(&fd, super::Signal::SIGKILL);
+            }
+            EndedStray {
+                run_id,
+                pid: fd.pid(),
+                sigkill,
+            }
+        })
+        .collect()
+}
+
+/// An orphan [`end_stray_orphans`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndedStray {
+    /// The finished run whose token it carried.
+    pub run_id: i64,
+    pub pid: Pid,
+    /// True when it outlived SIGTERM by `kill_timeout` and was sent SIGKILL.
+    pub sigkill: bool,
 }
 
 /// Opens verified pidfds for every process carrying `token` (see [`find_by_token`], whose

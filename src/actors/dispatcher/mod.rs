@@ -700,9 +700,7 @@ impl DispatcherActor {
                             .is_ok_and(|run| run.token == token && !run.is_open())
                 };
                 let ended = process::descendants::end_stray_orphans(&children, &is_stray, kill);
-                if !ended.is_empty() {
-                    tracing::info!(?ended, "ended descendants that outlived their run");
-                }
+                record_strays(&store, &ended);
                 // Never a child some owner will reap itself (worker leaders, hooks): process-wide,
                 // since several supervisors may share this process.
                 let reaped = process::reap_orphans_among(&children, &process::owned::is_registered);
@@ -714,6 +712,32 @@ impl DispatcherActor {
                 spawn::rotate_if_needed(&log, max_log);
             }
         });
+    }
+}
+
+/// Puts what the sweep for strays ended on the record, one event per run, so no process the
+/// supervisor signals goes unrecorded. Waits for the commit: this runs on the chore thread,
+/// never an actor's.
+fn record_strays(store: &Store, ended: &[process::descendants::EndedStray]) {
+    if ended.is_empty() {
+        return;
+    }
+    tracing::info!(?ended, "ended descendants that outlived their run");
+    let mut by_run: std::collections::BTreeMap<RunId, (Vec<process::Pid>, bool)> =
+        std::collections::BTreeMap::new();
+    for e in ended {
+        let (pids, sigkill) = by_run.entry(e.run_id).or_default();
+        pids.push(e.pid);
+        *sigkill |= e.sigkill;
+    }
+    let recorded = futures::executor::block_on(store.with_tx(move |tx, now| {
+        for (&run_id, (pids, sigkill)) in &by_run {
+            tx.record_strays_ended(run_id, pids, *sigkill, now)?;
+        }
+        Ok(())
+    }));
+    if let Err(e) = recorded {
+        tracing::warn!(error = %e, "cannot record the descendants ended as strays");
     }
 }
 
