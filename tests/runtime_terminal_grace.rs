@@ -1,7 +1,8 @@
 //! A worker that reports completion and then hangs is ended `grace` after the close — not
 //! before — with its whole process group, and a `terminal_worker_reaped` event says so. Once by
 //! the running supervisor's timer (library), once by the start-up sweep of the next `serve`
-//! after the close happened while no supervisor was listening.
+//! after the close happened while no supervisor was listening. A `shutdown = "terminate"`
+//! within the grace ends it sooner, recorded as the same terminal reap.
 
 #[allow(dead_code)]
 mod common;
@@ -319,4 +320,41 @@ fn a_hung_worker_ignoring_sigterm_is_killed_once_after_the_kill_timeout() {
         events[0]
     );
     sup.shutdown();
+}
+
+/// With `shutdown = "terminate"`, a worker still in the grace after completing its run is
+/// ended with the supervisor, and its end is recorded as the terminal reap it is
+/// (`terminal_worker_reaped`); its task stays done, not released.
+#[test]
+fn a_terminate_shutdown_records_the_end_of_a_worker_in_its_grace_as_a_terminal_reap() {
+    let _serial = serial();
+    let td = TestDir::new();
+    let mut config = lib_config(&td); // shutdown = "terminate"
+    // A grace the test never waits out: only the shutdown can end the worker in time.
+    config.reaper.grace = Duration::from_secs(300);
+    config.assignees.insert(
+        "hang".into(),
+        runwarden::config::AssigneeConfig::new(["sh", "-c", HANG]),
+    );
+    let sup = Supervisor::start(config).expect("start the supervisor");
+    let id = sup
+        .add_task(NewTask::titled("report, then hang").for_assignee("hang"))
+        .expect("add task")
+        .id;
+    let (pid, fp) = wait_worker(&sup, id);
+    let members = pin_group(pid);
+    sup.complete(id, Some("ok".into())).expect("complete");
+    wait_event(&sup, id, "run_closed");
+
+    sup.shutdown();
+    for m in &members {
+        assert!(!m.alive(), "member {} survived the shutdown", m.pid);
+    }
+    let mut board = Board::open(&td.db_path()).expect("open the board");
+    let reaped = task_event(&mut board, id, "terminal_worker_reaped")
+        .expect("the end of the worker in its grace is recorded as a terminal reap");
+    assert_reaped_event(&reaped, pid, &fp);
+    let task = board.read(|tx| tx.get_task(id)).expect("task");
+    assert_eq!(task.status, TaskStatus::Done, "{task:?}");
+    assert!(task_event(&mut board, id, "reclaimed").is_none());
 }

@@ -879,36 +879,53 @@ impl Handler<StopDispatching> for DispatcherActor {
         }
         let runs: Vec<(RunId, TaskId)> =
             self.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
-        let addrs: Vec<_> = self.workers.values().map(|w| w.addr.clone()).collect();
+        let addrs: Vec<_> = self
+            .workers
+            .iter()
+            .map(|(r, w)| (*r, w.addr.clone()))
+            .collect();
         let store = self.store.clone();
         let kill = self.config.reaper.kill_timeout;
         Box::pin(
             async move {
                 // Release first: a worker ended by our shutdown is not the task's failure.
-                let _ = store
+                // A worker whose run it closed itself (in its grace) outlived its run: its
+                // end is recorded as the terminal reap it is, only sooner.
+                let closed_by_worker = store
                     .with_tx(move |tx, now| {
+                        let mut closed_by_worker = Vec::new();
                         for &(run_id, task_id) in &runs {
                             let still_current =
                                 tx.get_task(task_id)?.current_run_id == Some(run_id);
-                            if still_current {
+                            let outcome = tx.get_run(run_id)?.outcome;
+                            if outcome.is_some_and(|o| o.closed_by_its_worker()) {
+                                closed_by_worker.push(run_id);
+                            } else if still_current {
                                 let _ = tx.nested(|tx| {
                                     tx.reclaim_task(task_id, "supervisor shutdown", now)
                                 });
                             }
                         }
-                        Ok(())
+                        Ok(closed_by_worker)
                     })
-                    .await;
-                for a in &addrs {
+                    .await
+                    .unwrap_or_default();
+                for (run_id, a) in &addrs {
+                    let reason = if closed_by_worker.contains(run_id) {
+                        TerminateReason::TerminalReap
+                    } else {
+                        TerminateReason::Shutdown
+                    };
                     a.do_send(Terminate {
                         kill_after: kill,
-                        reason: TerminateReason::Shutdown,
+                        reason,
                     });
                 }
                 let deadline = tokio::time::Instant::from_std(crate::deadline_after(
                     kill.saturating_add(Duration::from_secs(2)),
                 ));
-                while addrs.iter().any(|a| a.connected()) && tokio::time::Instant::now() < deadline
+                while addrs.iter().any(|(_, a)| a.connected())
+                    && tokio::time::Instant::now() < deadline
                 {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
