@@ -14,9 +14,9 @@ fn main() -> ExitCode {
             .ok_or_else(|| "not UTF-8".to_string())
             .and_then(|t| EnvFilter::try_new(t.trim()).map_err(|e| e.to_string()))
             .unwrap_or_else(|why| {
-                eprintln!(
-                    "runwarden: RUNWARDEN_LOG={text:?} is not a log filter ({why}); logging at info"
-                );
+                runwarden::cli::to_stderr(format_args!(
+                    "runwarden: RUNWARDEN_LOG={text:?} is not a log filter ({why}); logging at info\n"
+                ));
                 EnvFilter::new("info")
             }),
         _ => EnvFilter::new("info"),
@@ -24,6 +24,11 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // A log line that cannot be written (stderr a file on a full disk, a pipe whose reader
+        // went away) is lost, nothing more. Reporting it would print to that same stderr, and
+        // the panic that follows would take down whichever thread was logging — the store's
+        // writer, the actor thread — while the process lived on, half a supervisor.
+        .log_internal_errors(false)
         // Colour only for a person at a terminal; log files and pipes get plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();

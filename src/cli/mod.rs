@@ -8,6 +8,20 @@
 //! heartbeat); `watch` the commands that follow things (events, logs, wait); `admin` status,
 //! reap, shutdown and completions; `output` tables, times, colour and JSON.
 
+/// `eprintln!` that never panics: see [`to_stderr`].
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::cli::to_stderr(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// `eprint!` that never panics: see [`to_stderr`].
+macro_rules! say_raw {
+    ($($arg:tt)*) => {
+        $crate::cli::to_stderr(format_args!($($arg)*))
+    };
+}
+
 mod admin;
 mod output;
 mod serve;
@@ -35,6 +49,14 @@ pub const EXIT_TIMEOUT: u8 = 124;
 /// Exit code of `wait` and `events --follow` when the supervisor went away and could not be
 /// reached again within `RUNWARDEN_CONNECT_WAIT`.
 pub const EXIT_LOST: u8 = 3;
+
+/// Writes to stderr. A stderr that cannot be written (a full disk under the log file it was
+/// sent to, a reader that went away) loses the text, never the command's outcome: `eprintln!`
+/// would panic there, and a command that did its work would exit 101.
+pub fn to_stderr(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = std::io::stderr().lock().write_fmt(args);
+}
 
 /// The environment variable a worker finds its supervisor's socket in.
 pub const SOCKET_ENV: &str = "RUNWARDEN_SOCKET";
@@ -364,7 +386,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             if !e.message.is_empty() {
-                eprintln!("runwarden: {}", e.message);
+                say!("runwarden: {}", e.message);
             }
             ExitCode::from(e.code)
         }

@@ -83,7 +83,7 @@ pub fn add(cli: &Cli, out: Out, args: &AddArgs) -> Result<(), CliError> {
         return out.json(&created);
     }
     if created.existed {
-        eprintln!(
+        say!(
             "runwarden: an open task with this idempotency key already exists: {}",
             created.id
         );
@@ -104,13 +104,13 @@ pub fn ls(cli: &Cli, out: Out, args: &LsArgs) -> Result<(), CliError> {
     let mut tasks = reply.tasks;
     // Notices go to stderr, so `--json` stays one array on stdout.
     if reply.truncated {
-        eprintln!(
+        say!(
             "runwarden: only the newest {} matching tasks fit in one reply; narrow with --status, --assignee or --limit",
             tasks.len()
         );
     } else if let Some(cut) = default_cut.filter(|&n| tasks.len() > n as usize) {
         tasks.truncate(cut as usize);
-        eprintln!(
+        say!(
             "runwarden: showing the newest {cut} matching tasks; there are more (--limit N, up to {}, or narrow with --status or --assignee)",
             board::MAX_LIST_LIMIT
         );

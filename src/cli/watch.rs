@@ -171,7 +171,7 @@ impl Reconnects {
         let path = super::socket_path(cli)?;
         let timeout = super::reply_timeout()?;
         let wait = self.wait;
-        eprintln!(
+        say!(
             "runwarden: lost the supervisor ({lost}); reconnecting for up to {}",
             humantime::format_duration(wait)
         );
@@ -297,7 +297,7 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
             Err(e) if args.follow && e.code() == Some(code::NOT_FOUND) => {
                 if !waiting_noted {
                     no_such_task_to_wait_for(cli, args.id)?;
-                    eprintln!("runwarden: task {} has no log yet; waiting", args.id);
+                    say!("runwarden: task {} has no log yet; waiting", args.id);
                     waiting_noted = true;
                 }
                 std::thread::sleep(LOG_POLL);
@@ -321,7 +321,7 @@ fn logs_by_socket(cli: &Cli, args: &LogsArgs) -> Result<(), CliError> {
                     continue;
                 }
                 Verdict::StartOver => {
-                    eprintln!(
+                    say!(
                         "runwarden: the log of task {} was truncated; following from its start",
                         args.id
                     );
@@ -445,7 +445,7 @@ fn copy_to_stdout(file: &mut File) -> Result<(), CliError> {
 fn catch_up_from_backup(path: &Path, pos: u64, seen: Option<&str>) -> Result<(), CliError> {
     let backup = spawn::backup_path(path);
     let Some(start) = spawn::backup_start(path) else {
-        eprintln!(
+        say!(
             "runwarden: {} was rotated; following from its start (what was written just \
              before the rotation is in {})",
             path.display(),
@@ -475,13 +475,13 @@ fn catch_up_by_socket(
     let first = match client.read_log_backup(task, 0, Some(1)) {
         Ok(piece) => piece,
         Err(e) if e.code() == Some(code::NOT_FOUND) => {
-            eprintln!("runwarden: {what} was rotated; following from its start");
+            say!("runwarden: {what} was rotated; following from its start");
             return Ok(());
         }
         Err(e) => return Err(e.into()),
     };
     let Some(start) = first.backup_start else {
-        eprintln!(
+        say!(
             "runwarden: {what} was rotated; following from its start (what was written just \
              before the rotation is in its backup)"
         );
@@ -491,7 +491,7 @@ fn catch_up_by_socket(
     loop {
         let piece = client.read_log_backup(task, offset, None)?;
         if piece.rotation != first.rotation {
-            eprintln!("runwarden: {what} was rotated again while its backup was read");
+            say!("runwarden: {what} was rotated again while its backup was read");
             return Ok(());
         }
         write_stdout(piece.data.as_bytes())?;
@@ -514,14 +514,14 @@ fn catch_up_from(
 ) -> u64 {
     if replaces != seen {
         // Rotated twice or more: `pos` is an offset in a log that is gone.
-        eprintln!(
+        say!(
             "runwarden: {what} was rotated more than once since it was last read; what was \
              written before the last rotation is lost to this follower"
         );
         return 0;
     }
     if pos < start {
-        eprintln!(
+        say!(
             "runwarden: {what} was rotated; {} bytes written before it were rotated out unread",
             start - pos
         );
@@ -567,7 +567,7 @@ fn follow_file(path: &PathBuf) -> Result<(), CliError> {
                         continue;
                     }
                     Verdict::StartOver => {
-                        eprintln!(
+                        say!(
                             "runwarden: {} was truncated; following from its start",
                             path.display()
                         );
@@ -578,7 +578,7 @@ fn follow_file(path: &PathBuf) -> Result<(), CliError> {
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 if !waiting_noted {
-                    eprintln!("runwarden: waiting for {} to appear", path.display());
+                    say!("runwarden: waiting for {} to appear", path.display());
                     waiting_noted = true;
                 }
             }
@@ -641,7 +641,7 @@ pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
         }
     }
     if progress {
-        eprint!("\r\x1b[2K");
+        say_raw!("\r\x1b[2K");
     }
     report_wait(&out, &state, timed_out)
 }
@@ -734,7 +734,7 @@ fn any_failed(state: &BTreeMap<TaskId, TaskStatus>) -> bool {
 fn show_progress(on: bool, state: &BTreeMap<TaskId, TaskStatus>) {
     if on {
         let done = state.values().filter(|s| **s == TaskStatus::Done).count();
-        eprint!("\r\x1b[2Kwaiting: {done}/{} done", state.len());
+        say_raw!("\r\x1b[2Kwaiting: {done}/{} done", state.len());
         let _ = std::io::stderr().flush();
     }
 }

@@ -211,7 +211,7 @@ fn request<T>(
             Err(e) => return Err(e.into()),
         };
         if !told {
-            eprintln!(
+            say!(
                 "runwarden: {e}; retrying for up to {}",
                 humantime::format_duration(wait)
             );

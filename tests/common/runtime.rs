@@ -306,6 +306,19 @@ impl Serve {
     pub fn start_with_env(config: &Path, log_name: &str, env: &[(&str, &str)]) -> Serve {
         let dir = config.parent().expect("config has a parent dir");
         let stderr_path = dir.join(format!("{log_name}.stderr"));
+        let stderr = fs::File::create(&stderr_path).expect("create stderr file");
+        Serve::start_with_stderr(config, log_name, env, stderr.into())
+    }
+
+    /// [`Serve::start_with_env`] with its stderr given ([`Serve::stderr`] then reads nothing).
+    pub fn start_with_stderr(
+        config: &Path,
+        log_name: &str,
+        env: &[(&str, &str)],
+        stderr: Stdio,
+    ) -> Serve {
+        let dir = config.parent().expect("config has a parent dir");
+        let stderr_path = dir.join(format!("{log_name}.stderr"));
         let stdout_path = dir.join(format!("{log_name}.stdout"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_runwarden"));
         cmd.arg("serve")
@@ -315,7 +328,7 @@ impl Serve {
             .env("RUNWARDEN_LOG", "info")
             .stdin(Stdio::null())
             .stdout(fs::File::create(&stdout_path).expect("create stdout file"))
-            .stderr(fs::File::create(&stderr_path).expect("create stderr file"))
+            .stderr(stderr)
             .process_group(0);
         for (key, _) in std::env::vars_os() {
             if key.to_string_lossy().starts_with("RUNWARDEN_") && key != "RUNWARDEN_LOG" {
