@@ -285,39 +285,60 @@ fn drain(feed: &mut EventFeed) -> Vec<Arc<Event>> {
     }
 }
 
+/// An op holding the store's writer (see [`hold_the_writer`]).
+struct Held {
+    open: Arc<(Mutex<bool>, Condvar)>,
+    op: actix_rt::task::JoinHandle<Result<(), runwarden::actors::store::StoreError>>,
+}
+
+impl Held {
+    /// Lets the writer go on, and waits for the holding op's own commit.
+    async fn release(self) {
+        *self.open.0.lock().unwrap() = true;
+        self.open.1.notify_all();
+        self.op.await.unwrap().unwrap();
+    }
+}
+
+/// Holds the writer in an op until [`Held::release`], so that the ops sent meanwhile queue
+/// behind it and share one batch. The op may itself be applied again: once open, it stays
+/// open.
+async fn hold_the_writer(store: &runwarden::actors::store::Store) -> Held {
+    let open = Arc::new((Mutex::new(false), Condvar::new()));
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel::<()>();
+    let entered_tx = Mutex::new(entered_tx);
+    let op = {
+        let (store, open) = (store.clone(), open.clone());
+        actix_rt::spawn(async move {
+            store
+                .with_tx(move |_, _| {
+                    let _ = entered_tx.lock().unwrap().send(());
+                    let (lock, cv) = &*open;
+                    let mut go = lock.lock().unwrap();
+                    while !*go {
+                        go = cv.wait(go).unwrap();
+                    }
+                    Ok(())
+                })
+                .await
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while entered_rx.try_recv().is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the writer never ran the holding op"
+        );
+        actix_rt::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    Held { open, op }
+}
+
 #[test]
 fn the_store_counts_a_batch_applied_twice_and_answers_each_caller() {
     let tb = temp_board();
     let (results, stats) = with_store(tb.path.clone(), async move |store| {
-        // An op that holds the writer until told to go, so that the next three queue behind
-        // it and share one batch. It may itself be applied again: once open, it stays open.
-        let open = Arc::new((Mutex::new(false), Condvar::new()));
-        let (entered_tx, entered_rx) = std::sync::mpsc::channel::<()>();
-        let entered_tx = Mutex::new(entered_tx);
-        let gate = {
-            let (store, open) = (store.clone(), open.clone());
-            actix_rt::spawn(async move {
-                store
-                    .with_tx(move |_, _| {
-                        let _ = entered_tx.lock().unwrap().send(());
-                        let (lock, cv) = &*open;
-                        let mut go = lock.lock().unwrap();
-                        while !*go {
-                            go = cv.wait(go).unwrap();
-                        }
-                        Ok(())
-                    })
-                    .await
-            })
-        };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while entered_rx.try_recv().is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the writer never ran the gate"
-            );
-            actix_rt::time::sleep(std::time::Duration::from_millis(1)).await;
-        }
+        let held = hold_the_writer(&store).await;
         let good = |title: &'static str| {
             let store = store.clone();
             async move {
@@ -346,9 +367,7 @@ fn the_store_counts_a_batch_applied_twice_and_answers_each_caller() {
         for call in calls.iter_mut() {
             assert!(futures::poll!(call.as_mut()).is_pending());
         }
-        *open.0.lock().unwrap() = true;
-        open.1.notify_all();
-        gate.await.unwrap().unwrap();
+        held.release().await;
         let mut results = Vec::new();
         for call in calls {
             results.push(call.await);
@@ -496,4 +515,67 @@ fn a_full_disk_fails_the_batch_cleanly_and_the_board_goes_on() {
     let committed = tb.board.write_batch(ops).expect("small writes still fit");
     assert!(committed.results.iter().all(|r| r.is_ok()));
     assert_eq!(kinds(&mut tb.board, task), ["created", "small", "small"]);
+}
+
+/// A store op that panics (a closure an embedding program gave `Store::with_tx`, or a bug)
+/// fails alone: its batch is rolled back as the panic unwinds and applied again op by op, so
+/// the ops sharing its batch commit, it gets `internal`, nothing it wrote stands, and the
+/// writer goes on serving. (Before, the writer thread died with it: every later write was
+/// `unavailable` while the process lived on.)
+#[test]
+fn a_panicking_op_fails_alone_and_the_writer_goes_on() {
+    let tb = temp_board();
+    let results = with_store(tb.path.clone(), async move |store| {
+        let held = hold_the_writer(&store).await;
+        let call = |title: &'static str, panics: bool| {
+            let store = store.clone();
+            async move {
+                store
+                    .with_tx(move |tx, now| {
+                        let id = tx.create_task(&NewTask::titled(title), now)?.id;
+                        if panics {
+                            panic!("an op that panics after writing");
+                        }
+                        Ok(id)
+                    })
+                    .await
+            }
+            .boxed_local()
+        };
+        let mut calls = [
+            call("first", false),
+            call("boom", true),
+            call("last", false),
+        ];
+        for c in calls.iter_mut() {
+            assert!(futures::poll!(c.as_mut()).is_pending());
+        }
+        held.release().await;
+        let mut results = Vec::new();
+        for c in calls {
+            results.push(c.await);
+        }
+        // The writer is alive: a write after the panic commits.
+        results.push(call("after", false).await);
+        results
+    });
+    assert!(
+        results[0].is_ok() && results[2].is_ok() && results[3].is_ok(),
+        "{results:?}"
+    );
+    let err = results[1].as_ref().expect_err("the panicking op fails");
+    assert_eq!(err.code, "internal", "{err}");
+    let mut board = tb.board;
+    let mut titles: Vec<String> = board
+        .read(|tx| tx.list_tasks(&Default::default()))
+        .unwrap()
+        .into_iter()
+        .map(|t| t.title)
+        .collect();
+    titles.sort();
+    assert_eq!(
+        titles,
+        ["after", "first", "last"],
+        "nothing of the panicking op stands"
+    );
 }

@@ -11,6 +11,7 @@
 use std::any::Any;
 use std::future::Future;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -47,6 +48,16 @@ impl StoreError {
         StoreError {
             code: "unavailable",
             message: "the store is shutting down".into(),
+        }
+    }
+}
+
+impl StoreError {
+    /// The op panicked while it was applied: nothing of it was written.
+    pub(crate) fn panicked() -> Self {
+        StoreError {
+            code: "internal",
+            message: "the store op panicked; nothing of it was written".into(),
         }
     }
 }
@@ -467,32 +478,42 @@ fn writer_loop(
             .batches
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (ops, replies): (Vec<_>, Vec<_>) = batch.into_iter().map(|j| (j.op, j.reply)).unzip();
-        let ops = ops
-            .into_iter()
-            .map(|op| {
-                Box::new(move |t: &Tx<'_>| op(t, now))
-                    as Box<dyn Fn(&Tx<'_>) -> board::Result<Erased>>
-            })
-            .collect();
-        match board.write_batch(ops) {
-            Ok(committed) => {
-                if committed.retried {
-                    counters
-                        .retried
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-                // Publish before replying: a caller that gets "ok" and then subscribes-and-reads
-                // never misses the events of its own write.
-                watermark = publish(&mut board, &feed, watermark, committed.events);
-                for (reply, result) in replies.into_iter().zip(committed.results) {
-                    reply(result.map_err(StoreError::from));
-                }
+        let ops: Vec<Rc<ErasedOp>> = ops.into_iter().map(Rc::new).collect();
+        match commit(&mut board, &ops, now) {
+            Ok(Ok(committed)) => {
+                watermark = answer(&mut board, &feed, watermark, counters, committed, replies);
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 let err = StoreError::from(e);
                 tracing::error!(error = %err, "store: batch commit failed; nothing of it is durable");
                 for reply in replies {
                     reply(Err(err.clone()));
+                }
+            }
+            Err(()) => {
+                // An op panicked (a closure given to `Store::with_tx` by an embedding program,
+                // or a bug): its batch was rolled back as the panic unwound. The writer goes
+                // on — a dead writer would leave a supervisor that answers reads and can
+                // record nothing. Each op is applied again alone, so only the one that panics
+                // fails (ops may be applied more than once: see `StoreOp::apply`).
+                tracing::error!(
+                    "store: an op panicked; its batch was rolled back and is applied op by op"
+                );
+                for (op, reply) in ops.iter().zip(replies) {
+                    match commit(&mut board, std::slice::from_ref(op), now) {
+                        Ok(Ok(committed)) => {
+                            watermark = answer(
+                                &mut board,
+                                &feed,
+                                watermark,
+                                counters,
+                                committed,
+                                vec![reply],
+                            );
+                        }
+                        Ok(Err(e)) => reply(Err(StoreError::from(e))),
+                        Err(()) => reply(Err(StoreError::panicked())),
+                    }
                 }
             }
         }
@@ -508,6 +529,47 @@ fn writer_loop(
         }
     }
     tracing::debug!("store: queue closed, writer exits");
+}
+
+/// Applies `ops` in one transaction (see [`Board::write_batch`]); `Err(())` when one of them
+/// panicked (the transaction was rolled back as the panic unwound).
+fn commit(
+    board: &mut Board,
+    ops: &[Rc<ErasedOp>],
+    now: Millis,
+) -> Result<board::Result<board::Committed<Erased>>, ()> {
+    let batch = ops
+        .iter()
+        .map(|op| {
+            let op = op.clone();
+            Box::new(move |t: &Tx<'_>| op(t, now)) as Box<dyn Fn(&Tx<'_>) -> board::Result<Erased>>
+        })
+        .collect();
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| board.write_batch(batch)))
+        .map_err(|_| ())
+}
+
+/// Publishes what a commit appended, then answers its callers (in that order: a caller that
+/// gets "ok" and then subscribes-and-reads never misses the events of its own write). Returns
+/// the new watermark.
+fn answer(
+    board: &mut Board,
+    feed: &broadcast::Sender<EventBatch>,
+    watermark: EventId,
+    counters: &Counters,
+    committed: board::Committed<Erased>,
+    replies: Vec<Box<dyn FnOnce(Result<Erased, StoreError>) + Send>>,
+) -> EventId {
+    if committed.retried {
+        counters
+            .retried
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    let watermark = publish(board, feed, watermark, committed.events);
+    for (reply, result) in replies.into_iter().zip(committed.results) {
+        reply(result.map_err(StoreError::from));
+    }
+    watermark
 }
 
 /// Sends the events a batch committed to the subscribers, in id order; returns the new
