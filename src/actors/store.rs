@@ -113,8 +113,11 @@ type ErasedOp = Box<dyn Fn(&Tx<'_>, Millis) -> board::Result<Erased> + Send>;
 /// An op with its types erased so ops of every kind share one queue.
 struct Job {
     op: ErasedOp,
-    reply: Box<dyn FnOnce(Result<Erased, StoreError>) + Send>,
+    reply: Reply,
 }
+
+/// Answers one op's caller.
+type Reply = Box<dyn FnOnce(Result<Erased, StoreError>) + Send>;
 
 /// What the writer thread's queue carries.
 enum Queued {
@@ -558,7 +561,7 @@ fn answer(
     watermark: EventId,
     counters: &Counters,
     committed: board::Committed<Erased>,
-    replies: Vec<Box<dyn FnOnce(Result<Erased, StoreError>) + Send>>,
+    replies: Vec<Reply>,
 ) -> EventId {
     if committed.retried {
         counters
