@@ -238,3 +238,71 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
     assert_eq!(run["exit_code"], 0, "{last}");
     d.assert_healthy();
 }
+
+/// A worker that fills the disk with its own output: the tick's rotation cannot write the
+/// log's backup, so it cuts the log with nothing kept rather than leave it over its bound and
+/// the disk full for good. The board is writable again without anyone stepping in, and the
+/// worker's run still ends normally.
+#[test]
+fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
+    use std::time::Duration;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    let gate = dir.path().join("gate");
+    let _fs = SmallFs::mount(&data, "4m");
+    // More than the disk holds: it writes until the disk is full, then waits for the gate.
+    let worker = format!(
+        "head -c 8388608 /dev/zero | tr '\\0' x; while [ ! -e {gate:?} ]; do sleep 0.05; done; echo after",
+        gate = gate.display().to_string()
+    );
+    let mut d = Daemon::start_in(
+        dir,
+        "log_max_bytes = 524288",
+        &format!("[assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"),
+    );
+    let mut c = d.raw();
+    c.hello();
+    let r = c.call(r#"{"id":1,"op":"add_task","title":"chatty","assignee":"w"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    let task = r["result"]["id"].as_i64().expect("an id");
+    let log = data.join("logs").join(format!("{task}.log"));
+    let backup = data.join("logs").join(format!("{task}.log.1"));
+    let free = || {
+        let st = nix::sys::statvfs::statvfs(&data).expect("statvfs");
+        st.blocks_available() as u64 * st.fragment_size() as u64
+    };
+    // The writer stops at a full disk (so the log was over its bound when it did), and the
+    // rotation must then make room.
+    let mut seen = (0, 0);
+    let cut = common::proc_guard::wait_until(Duration::from_secs(10), || {
+        let size = fs::metadata(&log).map_or(u64::MAX, |m| m.len());
+        seen = (size, free());
+        size < 524288 && seen.1 > 1024 * 1024
+    });
+    assert!(
+        cut,
+        "the log (then {} bytes) was never cut; {} bytes free",
+        seen.0, seen.1
+    );
+    assert!(
+        fs::metadata(&backup).is_ok_and(|m| m.len() <= 524288),
+        "a backup within the bound is in place"
+    );
+    let r = c.call(r#"{"id":2,"op":"add_task","title":"room again"}"#);
+    assert_eq!(r["ok"], true, "the board is writable again: {r}");
+    fs::write(&gate, "").expect("open the gate");
+    let show = |c: &mut RawConn| c.call(&format!(r#"{{"id":3,"op":"show_task","task":{task}}}"#));
+    let mut last = serde_json::Value::Null;
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || {
+            last = show(&mut c);
+            last["result"]["status"] == "done"
+        }),
+        "the run never ended: {last}"
+    );
+    assert!(
+        fs::read_to_string(&log).is_ok_and(|l| l.ends_with("after\n")),
+        "the worker's later output lands in the cut log"
+    );
+    d.assert_healthy();
+}

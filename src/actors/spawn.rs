@@ -723,7 +723,9 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<(File, u64), String> {
 ///
 /// The tail is copied to a fresh file that is renamed into the backup's place only after the
 /// log was truncated, so a new backup ([`log_generation`]) tells a reader that the log started
-/// over — even once it has grown past the reader's offset again.
+/// over — even once it has grown past the reader's offset again. On a full disk the old
+/// backup is given up first, then the tail itself: the log is cut with an empty backup rather
+/// than left over its bound.
 pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     let due = || fs::symlink_metadata(path).is_ok_and(|meta| meta.len() >= max_bytes);
     if !due() {
@@ -738,11 +740,12 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     }
     let backup = backup_path(path);
     let fresh = rotation_path(path);
-    let mut truncated = false;
-    let mut rotate = || -> std::io::Result<()> {
+    let truncated = std::cell::Cell::new(false);
+    // `keep`: how much of the log's tail goes to the backup.
+    let rotate = |keep: u64| -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
         let (mut src, meta) = open_regular(path, OpenOptions::new().read(true))?;
-        let start = meta.len().saturating_sub(max_bytes);
+        let start = meta.len().saturating_sub(keep);
         src.seek(SeekFrom::Start(start))?;
         // A fresh file: whatever is in its place (one left by a rotation cut short, or a FIFO
         // that an open for writing would wait on for ever) goes first.
@@ -756,17 +759,38 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&fresh)?;
-        std::io::copy(&mut src.take(max_bytes), &mut dst)?;
+        std::io::copy(&mut src.take(keep), &mut dst)?;
         set_backup_start(&dst, start, log_generation(path).as_deref());
         open_regular(path, OpenOptions::new().write(true))?
             .0
             .set_len(0)?;
-        truncated = true;
+        truncated.set(true);
         // Replaces whatever is in the backup's place (a link is replaced, never followed).
         fs::rename(&fresh, &backup)
     };
-    if let Err(e) = rotate() {
-        if truncated {
+    let mut result = rotate(max_bytes);
+    if let Err(e) = &result
+        && !truncated.get()
+        && matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+    {
+        // No room for the backup: the disk is full — perhaps by this very log. Left as it is,
+        // the log would stay over its bound, and the disk full, until an operator stepped in.
+        // The old backup goes first (its space may be enough for the new one); failing that,
+        // the log is cut with nothing kept (an empty backup, so that a reader following it
+        // still sees a rotation): its bound matters more than its older lines.
+        let _ = fs::remove_file(&fresh);
+        let _ = fs::remove_file(&backup);
+        result = rotate(max_bytes);
+        if result.is_err() && !truncated.get() {
+            let _ = fs::remove_file(&fresh);
+            result = rotate(0);
+            if result.is_ok() || truncated.get() {
+                tracing::warn!(path = %path.display(), "log rotation: the disk is full; the log was cut with no backup kept");
+            }
+        }
+    }
+    if let Err(e) = result {
+        if truncated.get() {
             // The log's tail is in `<log>.1.new` alone now: left there, not lost.
             tracing::warn!(path = %path.display(), kept = %fresh.display(), error = %e, "log rotation: cannot put the backup in place");
         } else {
