@@ -470,6 +470,12 @@ fn flags_anywhere_config_or_socket_and_plain_errors() {
     let (code, err) = failed(&run(cmd));
     assert_eq!(code, 1);
     assert!(err.contains("/nonexistent/rw.sock"), "{err}");
+    // A file that is not a socket is named as such, not taken for a stale socket.
+    let mut cmd = command();
+    cmd.arg("ls").arg("--socket").arg(&d.config);
+    let (code, err) = failed(&run(cmd));
+    assert_eq!(code, 1);
+    assert!(err.contains("it is not a socket"), "{err}");
     // A log filter that does not parse is said, and the command goes on (logging at info).
     let mut cmd = command();
     cmd.env("RUNWARDEN_LOG", "debug,x=[")

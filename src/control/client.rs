@@ -37,7 +37,7 @@ use crate::board::{Created, Event, EventId, NewTask, Task, TaskDetail, TaskFilte
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// Nothing answers on the socket path (no file, or a stale socket).
-    #[error("no supervisor is listening on {path} ({})", not_running_reason(.source))]
+    #[error("no supervisor is listening on {path} ({})", not_running_reason(.path, .source))]
     NotRunning { path: PathBuf, source: io::Error },
     /// The socket exists but this user may not open it (the file-system layer refused).
     #[error(
@@ -61,9 +61,16 @@ pub enum ClientError {
     Io(io::Error),
 }
 
-fn not_running_reason(e: &io::Error) -> String {
+fn not_running_reason(path: &std::path::Path, e: &io::Error) -> String {
+    use std::os::unix::fs::FileTypeExt;
     match e.kind() {
         io::ErrorKind::NotFound => "no socket file there; is `runwarden serve` running?".into(),
+        // The kernel refuses a connection to a file that is not a socket the same way.
+        io::ErrorKind::ConnectionRefused
+            if std::fs::metadata(path).is_ok_and(|m| !m.file_type().is_socket()) =>
+        {
+            "it is not a socket; check --socket or [supervisor] socket".into()
+        }
         io::ErrorKind::ConnectionRefused => {
             "the socket file is stale: nothing accepts on it".into()
         }
