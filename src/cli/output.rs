@@ -231,10 +231,19 @@ pub fn clock(at: Millis) -> String {
 
 /// `text` with every control character but the newline made a space: what the board holds
 /// is anyone's (a worker's words in an error, a client's title), and an escape sequence in
-/// it must not reach the operator's terminal.
+/// it must not reach the operator's terminal. So are the invisible marks that reorder text
+/// (bidirectional overrides, embeddings, isolates): a title must not make a row read as
+/// something it is not.
 pub fn printable(text: &str) -> String {
+    let reorders = |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
     text.chars()
-        .map(|c| if c.is_control() && c != '\n' { ' ' } else { c })
+        .map(|c| {
+            if (c.is_control() && c != '\n') || reorders(c) {
+                ' '
+            } else {
+                c
+            }
+        })
         .collect()
 }
 
@@ -253,6 +262,14 @@ pub fn short(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn printable_blanks_controls_and_reordering_marks_but_keeps_text() {
+        assert_eq!(
+            printable("a\x1b[31mb\tc\u{202e}txt.exe\u{2066}d\ne é ✓"),
+            "a [31mb c txt.exe d\ne é ✓"
+        );
+    }
 
     #[test]
     fn durations_read_like_people_write_them() {
