@@ -10,7 +10,7 @@
 #[allow(dead_code)]
 mod common;
 
-use common::lifecycle::{GatedEscapee, View, open_gate, start_gated_escapee, stop_serve};
+use common::lifecycle::{GatedEscapee, View, open_gate, start_gated_escapee};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir};
 use runwarden::board::TaskStatus;
@@ -34,8 +34,7 @@ fn an_adopted_workers_escapee_is_ended_when_the_worker_exits() {
         "[reaper]\ngrace = \"1s\"\nkill_timeout = \"1s\"",
     );
     let _pin = escapee.pin();
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(status.is_some_and(|s| s.success()), "{}", serve.stderr());
+    serve.stop_cleanly(Signal::SIGTERM);
 
     // The worker is ours now: reap it the moment it exits, as init would.
     let leader = run.spawned_pid.expect("spawned pid") as i32;
@@ -69,10 +68,5 @@ fn an_adopted_workers_escapee_is_ended_when_the_worker_exits() {
         db.history(task)
     );
     assert_eq!(db.run(run.id).worker_pid, None, "evidence cleared");
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }

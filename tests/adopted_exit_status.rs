@@ -27,7 +27,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::fs;
 
-use common::lifecycle::{Db, View, stop_serve, wait_for_gate};
+use common::lifecycle::{Db, View, wait_for_gate};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard, worker_identity};
 use runwarden::board::{NewTask, RunOutcome, TaskId, now_millis};
@@ -112,8 +112,7 @@ fn an_adopted_or_unsupervised_workers_exit_status_is_used_when_the_kernel_tells_
         pins.push(WorkerGuard::pin(pid, &fp));
         pids.insert(task, pid);
     }
-    let status = stop_serve(&mut first, Signal::SIGTERM, SETTLE);
-    assert!(status.is_some_and(|s| s.success()), "{}", first.stderr());
+    first.stop_cleanly(Signal::SIGTERM);
     let me = std::process::id() as i32;
     for (task, &pid) in &pids {
         assert!(
@@ -208,6 +207,5 @@ fn an_adopted_or_unsupervised_workers_exit_status_is_used_when_the_kernel_tells_
             "task {task}: zombie not ours to reap"
         );
     }
-    let status = stop_serve(&mut second, Signal::SIGTERM, SETTLE);
-    assert!(status.is_some_and(|s| s.success()), "{}", second.stderr());
+    second.stop_cleanly(Signal::SIGTERM);
 }

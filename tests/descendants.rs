@@ -16,7 +16,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::lifecycle::{Db, View, now, open_gate, stop_serve, wait_for_gate, wait_run_procs};
+use common::lifecycle::{Db, View, now, open_gate, wait_for_gate, wait_run_procs};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir};
 use runwarden::board::{NewTask, Run, RunOutcome, TaskId, TaskStatus, now_millis};
@@ -152,12 +152,7 @@ fn a_finished_runs_descendants_are_all_ended_after_the_grace() {
     let reaped = db.wait_event(task, "terminal_worker_reaped", SETTLE);
     assert_eq!(reaped.run_id, Some(run.id));
 
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }
 
 #[test]
@@ -191,12 +186,7 @@ fn an_escapee_of_a_worker_that_exited_by_itself_is_ended_with_its_run() {
         "ended long after its run ({} ms)",
         now() - ended_at
     );
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }
 
 #[test]
@@ -237,12 +227,7 @@ fn what_a_reporting_worker_leaves_in_its_group_is_ended_when_it_exits_not_after_
         ended.at - run.ended_at.unwrap()
     );
     assert_eq!(run.worker_pid, None, "evidence cleared: {run:?}");
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }
 
 #[test]
@@ -299,10 +284,5 @@ fn a_retry_never_starts_beside_an_escapee_of_the_crashed_run() {
     assert_eq!(first.worker_pid, None, "evidence cleared: {first:?}");
     let ended = db.wait_event(task, "worker_group_ended", SETTLE);
     assert_eq!(ended.run_id, Some(first.id));
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }

@@ -156,12 +156,7 @@ fn a_hook_gets_the_event_as_json_on_stdin_and_in_its_environment() {
         .map(|id| format!("{id}.json"))
         .collect();
     assert_eq!(ran, expected);
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }
 
 #[test]
@@ -240,12 +235,7 @@ fn a_hook_over_its_timeout_is_killed_and_the_supervisor_keeps_going() {
         matches!(serve.child.try_wait(), Ok(None)),
         "serve keeps running"
     );
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }
 
 #[test]
@@ -293,12 +283,7 @@ fn a_failing_hook_is_logged_never_fatal() {
         matches!(serve.child.try_wait(), Ok(None)),
         "serve keeps running"
     );
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
 }
 
 #[test]
@@ -380,8 +365,7 @@ fn what_a_hook_leaves_running_is_ended_once_its_time_is_up() {
         matches!(serve.child.try_wait(), Ok(None)),
         "serve keeps running"
     );
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(status.is_some_and(|s| s.success()), "{}", serve.stderr());
+    serve.stop_cleanly(Signal::SIGTERM);
 }
 
 #[test]
@@ -395,12 +379,7 @@ fn a_stopping_supervisor_ends_its_running_hooks_whatever_their_timeout() {
     let running = seen(wait_pid_file(&out.join("hook.pid"), SETTLE));
     let _pin = running.pin();
     // Stopped well within SETTLE although the hook could run for an hour.
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve did not stop while a hook ran: {status:?}\n{}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
     assert!(!running.alive(), "the hook outlived its supervisor");
     assert!(
         serve.stderr().contains("the supervisor is stopping"),
@@ -453,8 +432,7 @@ fn what_a_killed_supervisors_hooks_left_running_is_ended_by_the_next_one() {
         "{}",
         next.stderr()
     );
-    let status = stop_serve(&mut next, Signal::SIGTERM, SETTLE);
-    assert!(status.is_some_and(|s| s.success()), "{}", next.stderr());
+    next.stop_cleanly(Signal::SIGTERM);
 }
 
 /// Tasks already on the board are claimed as the supervisor starts, before its actors have

@@ -11,7 +11,7 @@ use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 
-use common::lifecycle::{Db, View, stop_serve};
+use common::lifecycle::{Db, View};
 use common::runtime::{SETTLE, Serve, TestDir};
 use runwarden::board::{NewTask, TaskId, TaskStatus, now_millis};
 use runwarden::process::Signal;
@@ -78,12 +78,7 @@ fn run_one_with(
         db.history(task),
         serve.stderr()
     );
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        serve.stderr()
-    );
+    serve.stop_cleanly(Signal::SIGTERM);
     (log, td.data_dir().join("work").join(task.to_string()))
 }
 

@@ -161,12 +161,7 @@ fn sigkilled_supervisor_restarts_and_every_task_completes_exactly_once() {
     let open = db.read(|tx| tx.open_runs());
     assert!(open.is_empty(), "open runs left: {open:?}");
 
-    let status = stop_serve(&mut second, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        second.stderr()
-    );
+    second.stop_cleanly(Signal::SIGTERM);
     drop(db);
     assert_eq!(Db::new(td.db_path()).integrity_check(), "ok");
 }
@@ -288,10 +283,5 @@ fn a_worker_whose_assignee_left_the_config_is_still_adopted_and_ended_at_its_max
         "the adopted worker outlived its max runtime\n{}",
         db.history(task)
     );
-    let status = stop_serve(&mut second, Signal::SIGTERM, SETTLE);
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "serve exited {status:?}: {}",
-        second.stderr()
-    );
+    second.stop_cleanly(Signal::SIGTERM);
 }

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::PathBuf;
 
-use common::lifecycle::{Db, View, stop_serve};
+use common::lifecycle::{Db, View};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard, lib_config};
 use runwarden::Supervisor;
@@ -197,6 +197,5 @@ fn a_descriptor_serve_inherited_reaches_no_worker() {
         // SAFETY: our own descriptors, closed once.
         unsafe { libc::close(end) };
     }
-    let status = stop_serve(&mut serve, Signal::SIGTERM, SETTLE);
-    assert!(status.is_some_and(|s| s.success()), "{}", serve.stderr());
+    serve.stop_cleanly(Signal::SIGTERM);
 }
