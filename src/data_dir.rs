@@ -7,20 +7,18 @@ use std::path::Path;
 use crate::config::Config;
 use crate::supervisor::SupervisorError;
 
-/// The data dir and its `logs/` and `work/`. The data dir's own mode is the control server's
-/// when the socket is in it and the dir is the supervisor's alone ([`is_ours`]); here it only
-/// loses others' write access (then) and gains the traversal other users' workers need;
-/// inside it `logs/` is 0700 (other operators read logs through the socket) and
-/// `work/` 0711 (a worker running as another user must reach its own `work/<id>`, which is
-/// 0700 and its), set on every start so a board from before these modes gets them too. One of
-/// them others may write in that cannot be changed refuses the start.
+/// The data dir and its `logs/` and `work/`, with their modes — the one place that decides
+/// them (`docs/operations.md`, "The data directory"). The data dir: when it is the
+/// supervisor's alone ([`is_ours`]) and the socket is in it, 0700 (only our uid reaches the
+/// socket), or 0711 when other users need through it (see [`others_need_through`]); alone
+/// with the socket elsewhere, it only loses others' write access and gains that traversal;
+/// not the supervisor's alone, it is never narrowed, only given the traversal when it is our
+/// user's. Inside it `logs/` is 0700 (other operators read logs through the socket) and `work/`
+/// 0711 (a worker running as another user must reach its own `work/<id>`, which is 0700 and
+/// its). Set on every start, so a board from before these modes gets them too. One of them
+/// others may write in that cannot be changed refuses the start.
 pub(crate) fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
     let data_dir_is_ours = is_ours(config)?;
-    let me = nix::unistd::geteuid().as_raw();
-    let other_users_work = config
-        .assignees
-        .values()
-        .any(|a| a.uid.is_some_and(|u| u != me));
     if !data_dir_is_ours {
         tracing::info!(
             data_dir = %config.supervisor.data_dir.display(),
@@ -61,22 +59,20 @@ pub(crate) fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
                 path: dir.clone(),
                 source,
             })?;
-        // The data dir's own mode is the control server's to set (when the socket is in it);
-        // here it only loses others' write access (through it, `logs/` or `work/` could be
-        // swapped for a link) when it is the supervisor's own (see `data_dir_is_ours`), and
-        // gains the traversal a worker of another user needs to reach its `work/<id>` when it
-        // is the supervisor's user's — whatever an earlier start left (0700, the socket since
-        // moved elsewhere).
+        // Others' write access goes (through it, `logs/` or `work/` could be swapped for a
+        // link) when the data dir is the supervisor's own; the traversal other users need is
+        // added whatever an earlier start left (0700, with the socket since moved elsewhere).
         let mode = mode.unwrap_or_else(|| {
-            let kept = if data_dir_is_ours {
-                current & !0o022
+            // Asked once the data dir exists: whether the socket is in it is a question of files.
+            let traversal = if others_need_through(config) && owned_mode(&dir).is_some() {
+                0o011
             } else {
-                current
+                0
             };
-            if other_users_work && owned_mode(&dir).is_some() {
-                kept | 0o011
-            } else {
-                kept
+            match (data_dir_is_ours, socket_in(config, &dir)) {
+                (true, true) => 0o700 | traversal,
+                (true, false) => (current & !0o022) | traversal,
+                (false, _) => current | traversal,
             }
         });
         if current == mode {
@@ -97,6 +93,28 @@ pub(crate) fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
         }
     }
     Ok(())
+}
+
+/// Whether users other than the supervisor's must get through the data dir: an assignee's
+/// workers of another user (to their `work/<id>`; they report over the socket too), or
+/// `allowed_uids` served over a socket in it.
+fn others_need_through(config: &Config) -> bool {
+    let me = nix::unistd::geteuid().as_raw();
+    let others_work = config
+        .assignees
+        .values()
+        .any(|a| a.uid.is_some_and(|u| u != me));
+    let others_served =
+        !config.control.allowed_uids.is_empty() && socket_in(config, &config.supervisor.data_dir);
+    others_work || others_served
+}
+
+/// Whether the control socket is in `dir` (however either path is spelled).
+fn socket_in(config: &Config, dir: &Path) -> bool {
+    config
+        .socket_path()
+        .parent()
+        .is_some_and(|p| same_file(p, dir))
 }
 
 /// Whether the data dir may have its mode set by the supervisor (0700, or 0711 when it serves

@@ -210,11 +210,7 @@ impl ControlServer {
     /// actors start, so a supervisor that cannot serve its socket never starts a worker.
     pub fn bind(config: &Config) -> Result<BoundSocket, ControlError> {
         let socket = config.socket_path();
-        let listener = bind(
-            &socket,
-            &config.supervisor.data_dir,
-            Modes::for_config(config),
-        )?;
+        let listener = bind(&socket, Modes::for_config(config))?;
         let meta = std::fs::symlink_metadata(&socket).map_err(io_err("stat", &socket))?;
         Ok(BoundSocket {
             listener: Some(listener),
@@ -259,55 +255,35 @@ impl Drop for ControlServer {
     }
 }
 
-/// The file modes of the socket and of its directory.
+/// The file modes of the socket and of a directory made for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Modes {
     dir: u32,
     socket: u32,
-    /// Whether the data dir is the supervisor's alone (`data_dir::is_ours`): only
-    /// then is its mode set, when the socket is in it.
-    data_dir_is_ours: bool,
 }
 
 impl Modes {
-    /// 0600 in 0700: only our uid (and root) can reach the socket. Two things loosen that:
-    ///
-    /// - an assignee that runs as another user needs to traverse the data dir to reach its
-    ///   working directory (`<data_dir>/work/<id>`): the directory becomes 0711 (traversable,
-    ///   not listable);
-    /// - `allowed_uids` asks for other users to be served, and so do assignees' users (their
-    ///   workers report here): the directory becomes 0711 and the socket 0666, and the peer-uid
-    ///   check (`SO_PEERCRED`) is what refuses everyone else.
+    /// 0600 (in 0700, for a directory made for it): only our uid (and root) can reach the
+    /// socket. Other users to serve — `allowed_uids`, and assignees' users, whose workers
+    /// report here — make the socket 0666 (and such a directory 0711: traversable, not
+    /// listable), and the peer-uid check (`SO_PEERCRED`) is what refuses everyone else. The
+    /// data dir's mode, the socket's directory by default, is `data_dir::create_dirs`'s.
     fn for_config(config: &Config) -> Modes {
         let me = nix::unistd::geteuid().as_raw();
-        let others_serve = !config.control.allowed_uids.is_empty();
-        let others_work = config
-            .assignees
-            .values()
-            .any(|a| a.uid.is_some_and(|u| u != me));
+        let others = !config.control.allowed_uids.is_empty()
+            || config
+                .assignees
+                .values()
+                .any(|a| a.uid.is_some_and(|u| u != me));
         Modes {
-            dir: if others_serve || others_work {
-                0o711
-            } else {
-                0o700
-            },
-            socket: if others_serve || others_work {
-                0o666
-            } else {
-                0o600
-            },
-            // Its errors refuse the start before the socket is bound.
-            data_dir_is_ours: crate::data_dir::is_ours(config).unwrap_or(false),
+            dir: if others { 0o711 } else { 0o700 },
+            socket: if others { 0o666 } else { 0o600 },
         }
     }
 }
 
 /// Prepares the directory, clears a stale socket, binds, and sets the modes.
-fn bind(
-    socket: &Path,
-    data_dir: &Path,
-    modes: Modes,
-) -> Result<std::os::unix::net::UnixListener, ControlError> {
+fn bind(socket: &Path, modes: Modes) -> Result<std::os::unix::net::UnixListener, ControlError> {
     let len = socket.as_os_str().len();
     if len > MAX_SOCKET_PATH {
         return Err(ControlError::PathTooLong {
@@ -321,22 +297,13 @@ fn bind(
         .unwrap_or(Path::new("."));
     let created = !dir.exists();
     std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
-    // The socket's directory is 0700 when it is ours (the data dir the supervisor may call
-    // its own, or one we just made), so other users cannot even reach the socket. A directory
-    // the admin chose (e.g. /run), or a data dir that is not the supervisor's alone, is left
-    // as it is: the socket's own mode and the peer-uid check still apply.
-    let in_data_dir = crate::data_dir::same_file(dir, data_dir);
-    if created || (in_data_dir && modes.data_dir_is_ours) {
+    // A directory made for the socket is 0700, so other users cannot even reach it. One that
+    // was there is left as it is: the data dir's mode was set with the others (`create_dirs`),
+    // and a directory the admin chose (e.g. /run) is theirs; the socket's own mode and the
+    // peer-uid check still apply.
+    if created {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(modes.dir))
             .map_err(io_err("set the mode of", dir))?;
-    } else if in_data_dir && let Some(current) = crate::data_dir::owned_mode(dir) {
-        // Not the supervisor's alone: never narrowed, only given the traversal other users
-        // need (to reach the socket, or an assignee of theirs its `work/<id>`).
-        let wanted = current | (modes.dir & 0o011);
-        if wanted != current {
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(wanted))
-                .map_err(io_err("set the mode of", dir))?;
-        }
     }
     match std::fs::symlink_metadata(socket) {
         Ok(meta) if meta.file_type().is_socket() => {
