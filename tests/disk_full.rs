@@ -306,3 +306,44 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
     );
     d.assert_healthy();
 }
+
+/// A first start on a full disk fails (no room for the lock file or the board) and says so;
+/// the data dir it made is already the supervisor's alone (0700), not left open to all.
+#[test]
+fn a_first_start_on_a_full_disk_fails_and_leaves_its_data_dir_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mount = dir.path().join("small");
+    let _fs = SmallFs::mount(&mount, "1m");
+    fs::set_permissions(&mount, fs::Permissions::from_mode(0o755)).expect("chmod");
+    assert!(fill(&mount.join("filler")) > 0, "the filler wrote nothing");
+    let data = mount.join("data");
+    let config = dir.path().join("config.toml");
+    fs::write(
+        &config,
+        format!(
+            "[supervisor]\ndata_dir = {:?}\n",
+            data.display().to_string()
+        ),
+    )
+    .expect("write config");
+    let stderr = dir.path().join("serve.stderr");
+    let mut serve = Daemon::spawn_serve(&config, &stderr);
+    assert!(
+        serve
+            .pidfd()
+            .wait_exit(std::time::Duration::from_secs(10))
+            .unwrap_or(false),
+        "serve kept running on a full disk"
+    );
+    let status = serve.0.wait().expect("wait");
+    let said = fs::read_to_string(&stderr).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "{said}");
+    assert!(said.contains("No space left"), "says why: {said}");
+    let mode = fs::metadata(&data)
+        .expect("the data dir")
+        .permissions()
+        .mode()
+        & 0o7777;
+    assert_eq!(mode, 0o700, "{said}");
+}
