@@ -161,6 +161,8 @@ pub struct WorkerActor {
     /// The exit is recorded; the actor finishes once no tree-end is running (the reaper and
     /// the dispatcher keep treating the run as owned until then).
     exit_done: bool,
+    /// The spawn's evidence (pid + fingerprint) is on its way to the store.
+    evidence_pending: bool,
 }
 
 impl WorkerActor {
@@ -213,6 +215,7 @@ impl WorkerActor {
             spawned_at: None,
             log_start: spawn::LogStart::default(),
             exit_done: false,
+            evidence_pending: false,
         }
     }
 
@@ -652,38 +655,16 @@ impl WorkerActor {
             self.fingerprint.clone(),
             self.log_start.clone(),
         );
+        self.evidence_pending = true;
         async move {
             store
                 .with_tx(move |tx, now| tx.set_worker(run_id, pid, fp.as_ref(), Some(&log), now))
                 .await
         }
         .into_actor(self)
-        .map(move |res, act, ctx| match res {
-            Ok(None) => act.evidence_on_row = true,
-            // The run closed before its evidence landed: archived or reclaimed between claim
-            // and spawn (end it now), or a fast report (end it after the grace, if alive).
-            // The reaper drives the end (one kill, one record), with the grace it is due —
-            // through this actor, which owns the child.
-            Ok(Some((outcome, ended_at))) => {
-                act.evidence_on_row = true;
-                act.dispatcher.do_send(super::dispatcher::EvidenceAfterClose {
-                    run_id: act.run_id(),
-                    task_id: act.task_id(),
-                    pid,
-                    fingerprint: act.fingerprint.clone(),
-                    outcome,
-                    ended_at,
-                })
-            }
-            Err(e) if !act.exit_recorded => {
-                // Not recorded means not reachable after a restart: do not keep it running.
-                tracing::error!(run_id = act.run_id(), error = %e, "worker: cannot record pid; ending it");
-                ctx.notify(Terminate {
-                    kill_after: act.kill_timeout,
-                    reason: TerminateReason::RunClosed,
-                });
-            }
-            Err(_) => {}
+        .map(move |res, act, ctx| {
+            act.evidence_pending = false;
+            act.on_evidence(pid, res, ctx)
         })
         .spawn(ctx);
         self.dispatcher.do_send(super::dispatcher::WorkerSpawned {
@@ -694,6 +675,43 @@ impl WorkerActor {
             ctx.run_later(limit, move |act, ctx| act.timed_out(limit, ctx));
         }
         self.watch(ctx);
+    }
+
+    /// What the spawn's evidence commit answered.
+    fn on_evidence(
+        &mut self,
+        pid: process::Pid,
+        res: Result<Option<(board::RunOutcome, board::Millis)>, super::store::StoreError>,
+        ctx: &mut Context<Self>,
+    ) {
+        match res {
+            Ok(None) => self.evidence_on_row = true,
+            // The run closed before its evidence landed: archived or reclaimed between claim
+            // and spawn (end it now), or a fast report (end it after the grace, if alive).
+            // The reaper drives the end (one kill, one record), with the grace it is due —
+            // through this actor, which owns the child.
+            Ok(Some((outcome, ended_at))) => {
+                self.evidence_on_row = true;
+                self.dispatcher
+                    .do_send(super::dispatcher::EvidenceAfterClose {
+                        run_id: self.run_id(),
+                        task_id: self.task_id(),
+                        pid,
+                        fingerprint: self.fingerprint.clone(),
+                        outcome,
+                        ended_at,
+                    })
+            }
+            Err(e) if !self.exit_recorded => {
+                // Not recorded means not reachable after a restart: do not keep it running.
+                tracing::error!(run_id = self.run_id(), error = %e, "worker: cannot record pid; ending it");
+                ctx.notify(Terminate {
+                    kill_after: self.kill_timeout,
+                    reason: TerminateReason::RunClosed,
+                });
+            }
+            Err(_) => {}
+        }
     }
 
     fn timed_out(&mut self, limit: Duration, ctx: &mut Context<Self>) {
@@ -772,6 +790,29 @@ impl Handler<LeaderExited> for WorkerActor {
     type Result = ();
     fn handle(&mut self, _: LeaderExited, ctx: &mut Self::Context) {
         self.on_exit(ctx);
+    }
+}
+
+/// Whether this worker's actor is in the middle of something the board must hear of before
+/// the store closes: its leader has exited and the exit is not recorded yet, its spawn's
+/// evidence is not committed yet, or a tree end is running (the evidence is cleared after it).
+/// Asked by a `shutdown = "leave"` stop before it closes the store, so that an exit the
+/// supervisor saw is recorded, not left for the next one to find "exited while unsupervised".
+/// An actor that is recording an exit answers once that is done: the record holds its
+/// mailbox.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct Unsettled;
+
+impl Handler<Unsettled> for WorkerActor {
+    type Result = bool;
+    fn handle(&mut self, _: Unsettled, _: &mut Self::Context) -> bool {
+        let exited_unrecorded = !self.exit_done
+            && self
+                .pidfd
+                .as_ref()
+                .is_some_and(|fd| fd.wait_exit(Duration::ZERO).unwrap_or(false));
+        exited_unrecorded || self.evidence_pending || self.tree_ending
     }
 }
 

@@ -178,7 +178,9 @@ pub struct OwnedWorkers(pub Vec<RunId>);
 
 /// Stop claiming. With `terminate`, also end every live worker (their runs are released
 /// first, so the tasks go back to `ready` without counting a failure) and answer once they
-/// have all exited or `kill_timeout` + 2 s have passed.
+/// have all exited or `kill_timeout` + 2 s have passed. Without, answer once no worker's actor
+/// has an exit or evidence still to record (see [`super::worker::Unsettled`]), within the same
+/// bound.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct StopDispatching {
@@ -874,8 +876,42 @@ impl Handler<StopDispatching> for DispatcherActor {
         self.accepting = false;
         self.accepting_flag
             .store(false, std::sync::atomic::Ordering::Release);
-        if !msg.terminate || self.workers.is_empty() {
+        if self.workers.is_empty() {
             return Box::pin(async {}.into_actor(self));
+        }
+        let kill = self.config.reaper.kill_timeout;
+        if !msg.terminate {
+            // The workers are left running, but what their actors are in the middle of — an
+            // exit seen and not recorded yet, a spawn's evidence, a tree end — is let finish
+            // while the store still takes writes (the caller closes it next), within
+            // `kill_timeout` + 2 s: an exit the supervisor saw must not be left for the next
+            // one to find "exited while unsupervised" and count as a failure.
+            let addrs: Vec<_> = self.workers.values().map(|w| w.addr.clone()).collect();
+            let deadline = tokio::time::Instant::from_std(crate::deadline_after(
+                kill.saturating_add(Duration::from_secs(2)),
+            ));
+            return Box::pin(
+                async move {
+                    loop {
+                        let round = futures::future::join_all(
+                            addrs.iter().map(|a| a.send(super::worker::Unsettled)),
+                        );
+                        let unsettled = match tokio::time::timeout_at(deadline, round).await {
+                            // A stopped actor (its exit recorded and done) answers nothing.
+                            Ok(answers) => answers.into_iter().any(|a| a.unwrap_or(false)),
+                            Err(_) => true,
+                        };
+                        if !unsettled || tokio::time::Instant::now() >= deadline {
+                            if unsettled {
+                                tracing::warn!("stopping with a worker's exit or evidence not yet recorded; the next supervisor's reconcile closes its run");
+                            }
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+                .into_actor(self),
+            );
         }
         let runs: Vec<(RunId, TaskId)> =
             self.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
@@ -885,7 +921,6 @@ impl Handler<StopDispatching> for DispatcherActor {
             .map(|(r, w)| (*r, w.addr.clone()))
             .collect();
         let store = self.store.clone();
-        let kill = self.config.reaper.kill_timeout;
         Box::pin(
             async move {
                 // Release first: a worker ended by our shutdown is not the task's failure.

@@ -1,0 +1,53 @@
+//! A `shutdown = "leave"` stop records the exit of a worker that exited as the supervisor
+//! stopped: what its actor saw is committed before the store closes, not left for the next
+//! supervisor to find "exited while unsupervised" and count as a failure. The exit is caught
+//! in the middle of its recording by the library's test hook that stalls the probe every exit
+//! of an older worker takes (process-wide: this file is its own test binary); a black-box
+//! audit saw the same loss with exits that merely raced a SIGTERM.
+
+#[allow(dead_code)]
+mod common;
+
+use std::time::Duration;
+
+use common::lifecycle::{Db, View, add, task_for};
+use common::proc_guard::wait_until;
+use common::runtime::{SETTLE, TestDir, lib_config, wait_worker};
+use runwarden::Supervisor;
+use runwarden::board::{RunOutcome, TaskStatus};
+use runwarden::config::{AssigneeConfig, ShutdownMode};
+use runwarden::process::{Liveness, liveness};
+
+#[test]
+fn an_exit_being_recorded_when_a_leave_stop_begins_is_recorded() {
+    // Long enough that the stop begins while the exit is held up, well under the exit's own
+    // 5 s wait for its probe and the stop's bound (kill_timeout + 2 s = 3 s).
+    runwarden::actors::worker::stall_exit_probes(Duration::from_millis(1500));
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.supervisor.shutdown = ShutdownMode::Leave;
+    // Older at its exit than the 250 ms under which an exit is settled without the probe.
+    config
+        .assignees
+        .insert("w".into(), AssigneeConfig::new(["sleep", "0.4"]));
+    let sup = Supervisor::start(config).expect("start");
+    let task = add(&sup, task_for("exits as the supervisor stops", "w"));
+    let (pid, fp) = wait_worker(&sup, task);
+    assert!(
+        wait_until(SETTLE, || !matches!(liveness(pid, &fp), Liveness::Alive)),
+        "the worker never exited"
+    );
+    // The exit is now held in its probe: stop.
+    sup.shutdown();
+    runwarden::actors::worker::stall_exit_probes(Duration::ZERO);
+
+    let mut db = Db::new(td.db_path());
+    let run = db.runs(task).remove(0);
+    assert_eq!(
+        run.outcome,
+        Some(RunOutcome::Completed),
+        "the exit seen before the stop was recorded: {run:?}"
+    );
+    assert_eq!(run.exit_code, Some(0), "{run:?}");
+    assert_eq!(db.get_task(task).status, TaskStatus::Done);
+}
