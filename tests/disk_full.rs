@@ -271,18 +271,26 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
         let st = nix::sys::statvfs::statvfs(&data).expect("statvfs");
         st.blocks_available() as u64 * st.fragment_size() as u64
     };
-    // The writer stops at a full disk (so the log was over its bound when it did), and the
-    // rotation must then make room.
+    // The writer stops at a full disk, several times over its bound: the rotation cannot
+    // write a backup, and must make room — by the old backup if a rotation during the
+    // writing left one, else by cutting the log.
+    let said_cut = || {
+        let said = d.stderr_text();
+        said.contains("it was cut with no backup kept")
+            || said.contains("the old backup was deleted to make room")
+    };
     let mut seen = (0, 0);
     let cut = common::proc_guard::wait_until(Duration::from_secs(10), || {
         let size = fs::metadata(&log).map_or(u64::MAX, |m| m.len());
         seen = (size, free());
-        size < 524288 && seen.1 > 1024 * 1024
+        said_cut() && size < 524288 && seen.1 > 1024 * 1024
     });
     assert!(
         cut,
-        "the log (then {} bytes) was never cut; {} bytes free",
-        seen.0, seen.1
+        "the log (then {} bytes) was never cut; {} bytes free; stderr:\n{}",
+        seen.0,
+        seen.1,
+        d.stderr_text()
     );
     assert!(
         fs::metadata(&backup).is_ok_and(|m| m.len() <= 524288),
@@ -346,4 +354,74 @@ fn a_first_start_on_a_full_disk_fails_and_leaves_its_data_dir_private() {
         .mode()
         & 0o7777;
     assert_eq!(mode, 0o700, "{said}");
+}
+
+/// A log just over its bound on a disk something else filled keeps its lines: the rotation
+/// fails (and says so) until there is room, then rotates as usual.
+#[test]
+fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
+    use std::time::Duration;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data = dir.path().join("data");
+    let gate = dir.path().join("gate");
+    let _fs = SmallFs::mount(&data, "4m");
+    let worker = format!(
+        "while [ ! -e {gate:?} ]; do sleep 0.05; done; head -c 614400 /dev/zero | tr '\\0' y; exec sleep 30",
+        gate = gate.display().to_string()
+    );
+    let mut d = Daemon::start_in(
+        dir,
+        "log_max_bytes = 524288",
+        &format!("[assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"),
+    );
+    let mut c = d.raw();
+    c.hello();
+    let r = c.call(r#"{"id":1,"op":"add_task","title":"a bit over","assignee":"w"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    let task = r["result"]["id"].as_i64().expect("an id");
+    let log = data.join("logs").join(format!("{task}.log"));
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || log.exists()),
+        "the worker never started"
+    );
+    // Someone else fills the disk, leaving room for the worker's output but not for a backup.
+    let filler = data.join("filler");
+    fill(&filler);
+    let f = fs::OpenOptions::new()
+        .write(true)
+        .open(&filler)
+        .expect("filler");
+    let len = f.metadata().expect("filler size").len();
+    f.set_len(len - 700 * 1024).expect("free 700 KiB");
+    drop(f); // An open file keeps its space after its removal below.
+    fs::write(&gate, "").expect("open the gate");
+    let size = || fs::metadata(&log).map_or(0, |m| m.len());
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || size() == 614400),
+        "the worker's output never landed: {} bytes",
+        size()
+    );
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || d
+            .stderr_text()
+            .contains("log rotation failed")),
+        "no failed rotation said: {}",
+        d.stderr_text()
+    );
+    // Several ticks (200 ms) later the log still has every line.
+    let cut = common::proc_guard::wait_until(Duration::from_secs(1), || size() != 614400);
+    assert!(
+        !cut,
+        "a log barely over its bound was cut: {} bytes",
+        size()
+    );
+    // Room again: the next tick rotates it as usual, its last 512 KiB in the backup.
+    fs::remove_file(&filler).expect("remove the filler");
+    let backup = data.join("logs").join(format!("{task}.log.1"));
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || fs::metadata(&backup)
+            .is_ok_and(|m| m.len() == 524288)),
+        "never rotated once there was room"
+    );
+    d.assert_healthy();
 }
