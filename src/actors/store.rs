@@ -77,16 +77,17 @@ pub trait StoreOp: Send + 'static {
     type Output: Send + 'static;
     /// Applies the op. An `Err` rolls back this op only.
     ///
-    /// An op may be applied twice, so its only effects must be on `tx`: a batch is first
-    /// applied without savepoints, and if one of its ops (or a nested step of one) fails
+    /// An op may be applied more than once, so its only effects must be on `tx`: a batch is
+    /// first applied without savepoints, and if one of its ops (or a nested step of one) fails
     /// after writing, the batch is rolled back and applied again with each op and step in a
-    /// savepoint of its own (see [`Board::write_batch`](crate::board::Board::write_batch)).
+    /// savepoint of its own (see [`Board::write_batch`](crate::board::Board::write_batch));
+    /// and when an op panics, the batch is rolled back and each op applied again alone.
     fn apply(&self, tx: &Tx<'_>, now: Millis) -> board::Result<Self::Output>;
 }
 
 /// Any closure over a transaction is an op (used by the library's own actors for composite
 /// transitions that must be atomic, e.g. "record the exit and close the run"). Like every
-/// op, it may be called twice (see [`StoreOp::apply`]).
+/// op, it may be called more than once (see [`StoreOp::apply`]).
 pub struct WithTx<F>(pub F);
 
 impl<F, T> StoreOp for WithTx<F>
@@ -499,8 +500,8 @@ fn writer_loop(
                 // on — a dead writer would leave a supervisor that answers reads and can
                 // record nothing. Each op is applied again alone, so only the one that panics
                 // fails (ops may be applied more than once: see `StoreOp::apply`).
-                tracing::error!(
-                    "store: an op panicked; its batch was rolled back and is applied op by op"
+                tracing::warn!(
+                    "store: the batch of the op that panicked is applied again op by op"
                 );
                 for (op, reply) in ops.iter().zip(replies) {
                     match commit(&mut board, std::slice::from_ref(op), now) {
@@ -535,7 +536,7 @@ fn writer_loop(
 }
 
 /// Applies `ops` in one transaction (see [`Board::write_batch`]); `Err(())` when one of them
-/// panicked (the transaction was rolled back as the panic unwound).
+/// panicked (logged; the transaction is rolled back).
 fn commit(
     board: &mut Board,
     ops: &[Rc<ErasedOp>],
@@ -548,8 +549,20 @@ fn commit(
             Box::new(move |t: &Tx<'_>| op(t, now)) as Box<dyn Fn(&Tx<'_>) -> board::Result<Erased>>
         })
         .collect();
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| board.write_batch(batch)))
-        .map_err(|_| ())
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| board.write_batch(batch))).map_err(
+        |panic| {
+            // Said here: the panic hook's own message went to stderr, which may be lost.
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "(no message)".into());
+            tracing::error!(panic = %what, "store: an op panicked");
+            if let Err(e) = board.abandon_transaction() {
+                tracing::error!(error = %e, "store: cannot roll back the panicked op's transaction; later writes will fail");
+            }
+        },
+    )
 }
 
 /// Publishes what a commit appended, then answers its callers (in that order: a caller that

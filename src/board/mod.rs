@@ -342,6 +342,16 @@ impl Board {
             .query_row("PRAGMA integrity_check", [], |r| r.get(0))?)
     }
 
+    /// Ends a transaction that a panic unwound out of, if one is still open: rusqlite rolls
+    /// back on drop but ignores that rollback's own failure, and a connection left inside a
+    /// transaction would refuse every later one. `Ok` once it is back in autocommit.
+    pub fn abandon_transaction(&self) -> Result<()> {
+        if !self.conn.is_autocommit() {
+            self.conn.execute_batch("ROLLBACK")?;
+        }
+        Ok(())
+    }
+
     /// Copies everything the write-ahead log holds into the database file and empties the
     /// log (`PRAGMA wal_checkpoint(TRUNCATE)`), so that `board.db` alone is the whole board —
     /// what a backup that copies only that file gets. SQLite does this itself when the last
