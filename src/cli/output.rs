@@ -235,7 +235,18 @@ pub fn clock(at: Millis) -> String {
 /// (bidirectional overrides, embeddings, isolates): a title must not make a row read as
 /// something it is not.
 pub fn printable(text: &str) -> String {
-    let reorders = |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    // The Arabic letter mark, left-to-right and right-to-left marks, embeddings and
+    // overrides, isolates.
+    let reorders = |c: char| {
+        matches!(
+            c,
+            '\u{061c}'
+                | '\u{200e}'
+                | '\u{200f}'
+                | '\u{202a}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}'
+        )
+    };
     text.chars()
         .map(|c| {
             if (c.is_control() && c != '\n') || reorders(c) {

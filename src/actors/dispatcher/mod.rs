@@ -717,9 +717,10 @@ impl DispatcherActor {
     }
 }
 
-/// Puts what the sweep for strays ended on the record, one event per run, so no process the
-/// supervisor signals goes unrecorded. Waits for the commit: this runs on the chore thread,
-/// never an actor's.
+/// Puts what the sweep for strays ended on the record, one event per run, as for every
+/// process the supervisor signals (a board that refuses the write, e.g. a full disk, loses the
+/// event: the end is still logged). Waits for the commit: this runs on the chore thread, never
+/// an actor's.
 fn record_strays(store: &Store, ended: &[process::descendants::EndedStray]) {
     if ended.is_empty() {
         return;
@@ -930,10 +931,13 @@ impl Handler<StopDispatching> for DispatcherActor {
                     .with_tx(move |tx, now| {
                         let mut closed_by_worker = Vec::new();
                         for &(run_id, task_id) in &runs {
-                            let still_current =
-                                tx.get_task(task_id)?.current_run_id == Some(run_id);
-                            let outcome = tx.get_run(run_id)?.outcome;
-                            if outcome.is_some_and(|o| o.closed_by_its_worker()) {
+                            // A row gone (pruned) is skipped, not a reason to release none.
+                            let (Ok(task), Ok(run)) = (tx.get_task(task_id), tx.get_run(run_id))
+                            else {
+                                continue;
+                            };
+                            let still_current = task.current_run_id == Some(run_id);
+                            if run.outcome.is_some_and(|o| o.closed_by_its_worker()) {
                                 closed_by_worker.push(run_id);
                             } else if still_current {
                                 let _ = tx.nested(|tx| {
