@@ -291,3 +291,67 @@ fn a_user_a_non_root_supervisor_cannot_switch_to_is_a_config_error_at_start() {
     );
     assert!(!td.data_dir().exists(), "refused before making a data dir");
 }
+
+/// A supervisor that is not root but holds CAP_SETUID, CAP_SETGID and CAP_CHOWN (systemd's
+/// `AmbientCapabilities=`; `setpriv` here) may run workers as another user: it starts, and
+/// the worker runs as that user.
+#[test]
+fn a_non_root_supervisor_with_the_capabilities_runs_workers_as_another_user() {
+    use common::proc_guard::ChildGuard;
+    use common::runtime::{add_to_board, poll_board};
+    let td = TestDir::new();
+    fs::set_permissions(td.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let binary = td.path().join("runwarden");
+    common::copy_executable(
+        std::path::Path::new(env!("CARGO_BIN_EXE_runwarden")),
+        &binary,
+    );
+    let config = td.write_config(
+        "tick = \"100ms\"",
+        "[assignees.w]\ncommand = [\"sh\", \"-c\", \"id -u; id -g\"]\nuser = \"root\"\n",
+    );
+    fs::set_permissions(&config, fs::Permissions::from_mode(0o644)).unwrap();
+    let caps = "+setuid,+setgid,+chown";
+    let mut cmd = std::process::Command::new("setpriv");
+    common::control_daemon::scrub_env(&mut cmd);
+    cmd.args([
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        &format!("--inh-caps={caps}"),
+        &format!("--ambient-caps={caps}"),
+        "--",
+    ])
+    .arg(&binary)
+    .arg("serve")
+    .arg("--config")
+    .arg(&config)
+    .stdin(std::process::Stdio::null())
+    .stdout(std::process::Stdio::null())
+    .stderr(fs::File::create(td.path().join("serve.stderr")).unwrap());
+    // setpriv execs the supervisor: the same pid, ended by it.
+    let mut serve = ChildGuard::spawn(&mut cmd).expect("run setpriv (util-linux)");
+    let stderr = || fs::read_to_string(td.path().join("serve.stderr")).unwrap_or_default();
+    assert!(
+        common::proc_guard::wait_until(SETTLE, || common::runtime::board_migrated(&td.db_path())),
+        "serve did not start: {}",
+        stderr()
+    );
+    let task = add_to_board(&td.db_path(), "w");
+    poll_board(&td.db_path(), "the task to be done", |b| {
+        let t = b.read(|tx| tx.get_task(task)).expect("task");
+        assert_ne!(t.status, TaskStatus::Blocked, "{t:?}\n{}", stderr());
+        (t.status == TaskStatus::Done).then_some(())
+    });
+    let log = fs::read_to_string(td.data_dir().join("logs").join(format!("{task}.log")))
+        .expect("the worker's log");
+    assert_eq!(lines(&log), ["0", "0"], "the worker ran as root: {log}");
+    serve.pidfd().signal(Signal::SIGTERM).expect("stop serve");
+    assert!(
+        serve.pidfd().wait_exit(SETTLE).unwrap_or(false),
+        "serve did not stop: {}",
+        stderr()
+    );
+    let status = serve.0.wait().expect("wait");
+    assert!(status.success(), "{status}: {}", stderr());
+}
