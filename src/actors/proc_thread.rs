@@ -9,15 +9,58 @@
 //! A thread of its own costs a stuck scan its stack and nothing else: nobody queues behind it,
 //! and the process exits without it.
 
+use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// Threads started here and not yet finished.
 static RUNNING: AtomicUsize = AtomicUsize::new(0);
 
-/// From this many running at once, each new one is logged: scans that do not finish point
-/// at a process stuck on a hung file system.
-const MANY: usize = 16;
+/// When each running thread started, and for what (by a serial number).
+static STARTED: Mutex<BTreeMap<u64, (Instant, &'static str)>> = Mutex::new(BTreeMap::new());
+static SERIAL: AtomicU64 = AtomicU64::new(0);
+
+/// A thread still running after this long points at a process stuck on a hung file system:
+/// a scan takes milliseconds, and a tree end waits `kill_timeout` and a few seconds more.
+/// Many threads at once do not: every worker of a `terminate` stop ends its tree on one.
+const STUCK_AFTER: Duration = Duration::from_secs(120);
+
+/// Said at most this often while threads are stuck.
+const SAY_EVERY: Duration = Duration::from_secs(60);
+static LAST_SAID: Mutex<Option<Instant>> = Mutex::new(None);
+
+/// Logs the threads that have run for longer than [`STUCK_AFTER`], at most every
+/// [`SAY_EVERY`].
+fn say_if_stuck(now: Instant) {
+    let stuck = stuck_at(now);
+    let Some(&(oldest, what)) = stuck.iter().max_by_key(|(age, _)| *age) else {
+        return;
+    };
+    let mut last = LAST_SAID.lock().unwrap_or_else(|p| p.into_inner());
+    if last.is_some_and(|t| now.duration_since(t) < SAY_EVERY) {
+        return;
+    }
+    *last = Some(now);
+    tracing::warn!(
+        stuck = stuck.len(),
+        oldest_secs = oldest.as_secs(),
+        oldest = what,
+        "threads reading /proc have not finished (a process stuck on a hung file system?)"
+    );
+}
+
+/// The threads that have run for [`STUCK_AFTER`] or longer at `now`: age and purpose.
+fn stuck_at(now: Instant) -> Vec<(Duration, &'static str)> {
+    STARTED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .map(|&(at, what)| (now.saturating_duration_since(at), what))
+        .filter(|&(age, _)| age >= STUCK_AFTER)
+        .collect()
+}
 
 /// Runs `f` on a new thread named `runwarden-proc`; resolves to its result, or `None` when the
 /// thread could not be started or `f` panicked (logged, naming `what`).
@@ -26,29 +69,29 @@ pub fn run<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> impl Future<Output = Option<T>> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let running = RUNNING.fetch_add(1, Ordering::Relaxed) + 1;
-    if running >= MANY {
-        tracing::warn!(
-            running,
-            what,
-            "threads reading /proc are piling up (a process stuck on a hung file system?)"
-        );
-    }
+    let now = Instant::now();
+    say_if_stuck(now);
+    RUNNING.fetch_add(1, Ordering::Relaxed);
+    let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
+    STARTED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(serial, (now, what));
     let started = std::thread::Builder::new()
         .name("runwarden-proc".into())
         .spawn(move || {
             // Counted down however `f` ends.
-            struct Done;
+            struct Done(u64);
             impl Drop for Done {
                 fn drop(&mut self) {
-                    RUNNING.fetch_sub(1, Ordering::Relaxed);
+                    forget(self.0);
                 }
             }
-            let _done = Done;
+            let _done = Done(serial);
             let _ = tx.send(f());
         });
     if let Err(e) = &started {
-        RUNNING.fetch_sub(1, Ordering::Relaxed);
+        forget(serial);
         tracing::error!(what, error = %e, "cannot start a thread for /proc work");
     }
     async move {
@@ -63,6 +106,15 @@ pub fn run<T: Send + 'static>(
     }
 }
 
+/// Counts a thread out, however it ended.
+fn forget(serial: u64) {
+    RUNNING.fetch_sub(1, Ordering::Relaxed);
+    STARTED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&serial);
+}
+
 /// [`run`], nobody waiting for the end.
 pub fn spawn(what: &'static str, f: impl FnOnce() + Send + 'static) {
     // The thread starts in `run` itself; its answer is not wanted.
@@ -72,4 +124,49 @@ pub fn spawn(what: &'static str, f: impl FnOnce() + Send + 'static) {
 /// How many of these threads run now (for tests and diagnostics).
 pub fn running() -> usize {
     RUNNING.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Many threads at once are not "stuck"; one that has run for long is, and once it ends
+    /// it is not any more.
+    #[test]
+    fn a_thread_is_stuck_by_its_age_not_by_how_many_run() {
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let before = Instant::now();
+        let held = run("held", move || {
+            let _ = wait.recv();
+        });
+        let quick: Vec<_> = (0..20).map(|_| run("quick", || ())).collect();
+        assert!(
+            !stuck_at(Instant::now()).iter().any(|&(_, w)| w == "held"),
+            "a thread is not stuck at its start"
+        );
+        let later = before + STUCK_AFTER + Duration::from_secs(1);
+        assert!(stuck_at(later).iter().any(|&(_, w)| w == "held"));
+        go.send(()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            held.await.expect("answered");
+            for q in quick {
+                q.await.expect("answered");
+            }
+        });
+        // Counted out as each thread ends, just after it answered.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while stuck_at(later)
+            .iter()
+            .any(|&(_, w)| w == "held" || w == "quick")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "finished threads are counted out"
+            );
+            std::thread::yield_now();
+        }
+    }
 }
