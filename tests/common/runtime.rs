@@ -294,6 +294,8 @@ pub fn children_of(ppid: Pid) -> Vec<ProcStat> {
 pub struct Serve {
     pub child: ChildGuard,
     pub stderr_path: PathBuf,
+    /// Its control socket, when its config loads (see [`Serve::wait_ready`]).
+    pub socket: Option<PathBuf>,
 }
 
 impl Serve {
@@ -343,7 +345,14 @@ impl Serve {
         let child = ChildGuard::spawn(&mut cmd).expect("spawn runwarden serve");
         owned.register(child.pid());
         drop(owned);
-        Serve { child, stderr_path }
+        let socket = runwarden::config::Config::load(config)
+            .ok()
+            .map(|c| c.socket_path());
+        Serve {
+            child,
+            stderr_path,
+            socket,
+        }
     }
 
     pub fn pid(&self) -> Pid {
@@ -355,15 +364,24 @@ impl Serve {
         fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
 
-    /// Waits until the supervisor holds its lock (the lock file names its pid) and its board
-    /// is created and migrated (so another connection can open it); fails the test (with its stderr) if it exits or does not get there in time.
+    /// Waits until the supervisor holds its lock (the lock file names its pid), its board is
+    /// created and migrated (so another connection can open it) and its socket takes
+    /// connections (a client's then waits to be served; the socket is bound just after the
+    /// lock is taken, so a client right after the lock alone could find none, or the stale one
+    /// of a killed predecessor); fails the test (with its stderr) if it exits or does not get
+    /// there in time.
     pub fn wait_ready(&mut self, lock: &Path, db: &Path) {
         let me = self.pid().to_string();
+        let socket = self.socket.clone();
         let ready = wait_until(SETTLE, || {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("serve exited early ({status}); stderr:\n{}", self.stderr());
             }
-            fs::read_to_string(lock).is_ok_and(|s| s.trim() == me) && board_migrated(db)
+            fs::read_to_string(lock).is_ok_and(|s| s.trim() == me)
+                && board_migrated(db)
+                && socket
+                    .as_ref()
+                    .is_none_or(|s| std::os::unix::net::UnixStream::connect(s).is_ok())
         });
         assert!(
             ready,
