@@ -88,15 +88,15 @@ struct Booted {
     subreaper: Option<process::Subreaper>,
 }
 
-/// An assignee that runs as another user needs a supervisor that may switch to it (root, or
-/// one given the capabilities that takes): refused at start as the config mistake it is,
-/// naming the key, not found out by every spawn failing.
+/// An assignee that runs as another user needs a supervisor that may switch to it (root):
+/// refused at start as the config mistake it is, naming the key, not found out by every spawn
+/// failing.
 fn can_switch_users(config: &Config) -> Result<(), SupervisorError> {
     let (euid, egid) = (
         nix::unistd::geteuid().as_raw(),
         nix::unistd::getegid().as_raw(),
     );
-    if euid == 0 || process::may_switch_users() {
+    if euid == 0 {
         return Ok(());
     }
     for (name, a) in &config.assignees {
@@ -117,8 +117,7 @@ fn can_switch_users(config: &Config) -> Result<(), SupervisorError> {
         };
         return Err(SupervisorError::Config(config.invalid(format!(
             "[assignees.{name}] {key}: runs the worker as {who}; switching to another user or \
-             group needs root, or CAP_SETUID, CAP_SETGID and CAP_CHOWN (this supervisor runs \
-             as uid {euid}, gid {egid}, without them)"
+             group needs root (this supervisor runs as uid {euid}, gid {egid})"
         ))));
     }
     Ok(())

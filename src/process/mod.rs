@@ -28,7 +28,6 @@
 //! is not our child (an adopted worker) ended; `sched` sets the scheduling policy of
 //! the supervisor's own threads.
 
-mod caps;
 pub mod clone_exec;
 pub mod descendants;
 pub mod exit_status;
@@ -46,7 +45,6 @@ mod testutil;
 
 use std::io;
 
-pub use caps::may_switch_users;
 pub use fingerprint::{Fingerprint, boot_id, fingerprint, fingerprint_of_child};
 #[doc(hidden)]
 pub use group_fallback::force_group_signal_fallback;
