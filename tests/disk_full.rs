@@ -250,9 +250,10 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
     let data = dir.path().join("data");
     let gate = dir.path().join("gate");
     let _fs = SmallFs::mount(&data, "4m");
-    // More than the disk holds: it writes until the disk is full, then waits for the gate.
+    // More than the disk holds, in one write(2) (no tick's rotation can keep up with it, on
+    // however slow a machine): it writes until the disk is full, then waits for the gate.
     let worker = format!(
-        "head -c 8388608 /dev/zero | tr '\\0' x; while [ ! -e {gate:?} ]; do sleep 0.05; done; echo after",
+        "dd if=/dev/zero bs=8M count=1 2>/dev/null; while [ ! -e {gate:?} ]; do sleep 0.05; done; echo after",
         gate = gate.display().to_string()
     );
     let mut d = Daemon::start_in(
@@ -276,8 +277,8 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
     // writing left one, else by cutting the log.
     let said_cut = || {
         let said = d.stderr_text();
-        said.contains("it was cut with no backup kept")
-            || said.contains("the old backup was deleted to make room")
+        said.contains("the log cut with no backup kept")
+            || said.contains("its old backup was deleted to make room")
     };
     let mut seen = (0, 0);
     let cut = common::proc_guard::wait_until(Duration::from_secs(10), || {
@@ -356,18 +357,27 @@ fn a_first_start_on_a_full_disk_fails_and_leaves_its_data_dir_private() {
     assert_eq!(mode, 0o700, "{said}");
 }
 
-/// A log just over its bound on a disk something else filled keeps its lines: the rotation
-/// fails (and says so) until there is room, then rotates as usual.
+/// A log just over its bound on a disk something else filled keeps its lines and its old
+/// backup: the rotation fails (and says so) until there is room, then rotates as usual.
 #[test]
 fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
     use std::time::Duration;
     let dir = tempfile::tempdir().expect("temp dir");
     let data = dir.path().join("data");
-    let gate = dir.path().join("gate");
+    let gates = dir.path().join("gates");
+    fs::create_dir_all(&gates).expect("gates");
     let _fs = SmallFs::mount(&data, "4m");
+    // 600 KiB of `y` (rotated as usual), then at the second gate 600 KiB of `z`.
+    let wait = |gate: &str| {
+        format!(
+            "while [ ! -e {:?} ]; do sleep 0.05; done",
+            gates.join(gate).display().to_string()
+        )
+    };
     let worker = format!(
-        "while [ ! -e {gate:?} ]; do sleep 0.05; done; head -c 614400 /dev/zero | tr '\\0' y; exec sleep 30",
-        gate = gate.display().to_string()
+        "{}; head -c 614400 /dev/zero | tr '\\0' y; {}; head -c 614400 /dev/zero | tr '\\0' z; exec sleep 30",
+        wait("a"),
+        wait("b")
     );
     let mut d = Daemon::start_in(
         dir,
@@ -380,9 +390,15 @@ fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
     assert_eq!(r["ok"], true, "{r}");
     let task = r["result"]["id"].as_i64().expect("an id");
     let log = data.join("logs").join(format!("{task}.log"));
+    let backup = data.join("logs").join(format!("{task}.log.1"));
+    let size = || fs::metadata(&log).map_or(0, |m| m.len());
+    let backup_of = |byte: u8| {
+        fs::read(&backup).is_ok_and(|b| b.len() == 524288 && b.iter().all(|&x| x == byte))
+    };
+    fs::write(gates.join("a"), "").expect("open gate a");
     assert!(
-        common::proc_guard::wait_until(Duration::from_secs(10), || log.exists()),
-        "the worker never started"
+        common::proc_guard::wait_until(Duration::from_secs(10), || backup_of(b'y')),
+        "the first 600 KiB were never rotated"
     );
     // Someone else fills the disk, leaving room for the worker's output but not for a backup.
     let filler = data.join("filler");
@@ -394,10 +410,9 @@ fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
     let len = f.metadata().expect("filler size").len();
     f.set_len(len - 700 * 1024).expect("free 700 KiB");
     drop(f); // An open file keeps its space after its removal below.
-    fs::write(&gate, "").expect("open the gate");
-    let size = || fs::metadata(&log).map_or(0, |m| m.len());
+    fs::write(gates.join("b"), "").expect("open gate b");
     assert!(
-        common::proc_guard::wait_until(Duration::from_secs(10), || size() == 614400),
+        common::proc_guard::wait_until(Duration::from_secs(10), || size() >= 614400),
         "the worker's output never landed: {} bytes",
         size()
     );
@@ -408,19 +423,20 @@ fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
         "no failed rotation said: {}",
         d.stderr_text()
     );
-    // Several ticks (200 ms) later the log still has every line.
-    let cut = common::proc_guard::wait_until(Duration::from_secs(1), || size() != 614400);
+    // Several ticks (200 ms) later the log still has every line, and the backup its own.
+    let lost = common::proc_guard::wait_until(Duration::from_secs(1), || {
+        size() < 614400 || !backup_of(b'y')
+    });
     assert!(
-        !cut,
-        "a log barely over its bound was cut: {} bytes",
-        size()
+        !lost,
+        "a log barely over its bound lost lines: log {} bytes, backup of y: {}",
+        size(),
+        backup_of(b'y')
     );
     // Room again: the next tick rotates it as usual, its last 512 KiB in the backup.
     fs::remove_file(&filler).expect("remove the filler");
-    let backup = data.join("logs").join(format!("{task}.log.1"));
     assert!(
-        common::proc_guard::wait_until(Duration::from_secs(10), || fs::metadata(&backup)
-            .is_ok_and(|m| m.len() == 524288)),
+        common::proc_guard::wait_until(Duration::from_secs(10), || backup_of(b'z')),
         "never rotated once there was room"
     );
     d.assert_healthy();

@@ -723,9 +723,9 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<(File, u64), String> {
 ///
 /// The tail is copied to a fresh file that is renamed into the backup's place only after the
 /// log was truncated, so a new backup ([`log_generation`]) tells a reader that the log started
-/// over — even once it has grown past the reader's offset again. On a full disk the old
-/// backup is given up first; a log at twice its bound or more is then cut with an empty
-/// backup rather than left over its bound.
+/// over — even once it has grown past the reader's offset again. On a full disk, a log at
+/// twice its bound or more gives up its old backup, and then its lines (it is cut with an
+/// empty backup), rather than stay over its bound.
 pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     let due = || fs::symlink_metadata(path).is_ok_and(|meta| meta.len() >= max_bytes);
     if !due() {
@@ -772,27 +772,26 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     if let Err(e) = &result
         && !truncated.get()
         && matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+        && fs::symlink_metadata(path).is_ok_and(|m| m.len() >= max_bytes.saturating_mul(2))
     {
-        // No room for the backup: the disk is full. Left as it is, a log that filled it would
-        // stay over its bound, and the disk full, until an operator stepped in. The old backup
-        // goes first: a rotation replaces it anyway, and its space may be room enough.
+        // No room for the backup, and this log is far over its bound — its worker wrote at
+        // least as much again as it may keep since the last tick: it is what filled the disk.
+        // Left as it is, it would stay so, and the disk full, until an operator stepped in.
+        // The old backup goes first (a rotation replaces it anyway, and its space may be room
+        // enough for the new one); failing that, the log is cut with nothing kept (an empty
+        // backup, so that a reader following it still sees a rotation): its bound matters
+        // more than its last lines. A log barely over its bound on a disk something else
+        // filled keeps its lines and its backup, and is rotated once there is room.
         let _ = fs::remove_file(&fresh);
         let _ = fs::remove_file(&backup);
         result = rotate(max_bytes);
         if result.is_ok() {
-            tracing::warn!(path = %path.display(), "log rotation: the disk is full; the old backup was deleted to make room for the new one");
-        } else if !truncated.get()
-            && fs::symlink_metadata(path).is_ok_and(|m| m.len() >= max_bytes.saturating_mul(2))
-        {
-            // Still no room, and this log is far over its bound — its worker wrote at least
-            // as much again as it may keep since the last tick: it is what filled the disk.
-            // Cut it with nothing kept (an empty backup, so that a reader following it still
-            // sees a rotation): its bound matters more than its last lines. A log barely
-            // over its bound on a disk something else filled keeps its lines.
+            tracing::warn!(path = %path.display(), "log rotation: the disk is full and this log is far over its bound; its old backup was deleted to make room for the new one");
+        } else if !truncated.get() {
             let _ = fs::remove_file(&fresh);
             result = rotate(0);
             if result.is_ok() || truncated.get() {
-                tracing::warn!(path = %path.display(), "log rotation: the disk is full and this log is far over its bound; it was cut with no backup kept");
+                tracing::warn!(path = %path.display(), "log rotation: the disk is full and this log is far over its bound; its old backup was deleted and the log cut with no backup kept");
             }
         }
     }
