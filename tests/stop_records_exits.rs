@@ -18,8 +18,12 @@ use runwarden::board::{RunOutcome, TaskStatus};
 use runwarden::config::{AssigneeConfig, ShutdownMode};
 use runwarden::process::{Liveness, liveness};
 
+/// The stall hook is process-wide: the tests of this file take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn an_exit_being_recorded_when_a_leave_stop_begins_is_recorded() {
+    let _serial = common::lifecycle::serial(&SERIAL);
     // Long enough that the stop begins while the exit is held up, well under the exit's own
     // 5 s wait for its probe and the stop's bound (kill_timeout + 2 s = 3 s).
     runwarden::actors::worker::stall_exit_probes(Duration::from_millis(1500));
@@ -50,4 +54,50 @@ fn an_exit_being_recorded_when_a_leave_stop_begins_is_recorded() {
     );
     assert_eq!(run.exit_code, Some(0), "{run:?}");
     assert_eq!(db.get_task(task).status, TaskStatus::Done);
+}
+
+/// While a `leave` stop waits for such an exit, the control socket is already closed, so a
+/// live worker's heartbeats cannot land: no run is closed stale for that, and its worker is
+/// left running for the next incarnation, as a `leave` stop promises.
+#[test]
+fn a_leave_stop_closes_no_run_stale_while_it_waits() {
+    let _serial = common::lifecycle::serial(&SERIAL);
+    runwarden::actors::worker::stall_exit_probes(Duration::from_millis(2500));
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.supervisor.shutdown = ShutdownMode::Leave;
+    config.leases.stale_after = Duration::from_secs(1);
+    config
+        .assignees
+        .insert("exits".into(), AssigneeConfig::new(["sleep", "0.4"]));
+    config.assignees.insert(
+        "beats".into(),
+        common::lifecycle::sh_assignee("while true; do runwarden heartbeat; sleep 0.2; done"),
+    );
+    let sup = Supervisor::start(config).expect("start");
+    let beats = add(&sup, task_for("heartbeats", "beats"));
+    let (beat_pid, beat_fp) = wait_worker(&sup, beats);
+    let beater = common::runtime::WorkerGuard::pin(beat_pid, &beat_fp);
+    common::runtime::wait_event(&sup, beats, "heartbeat");
+    let exits = add(&sup, task_for("exits as the supervisor stops", "exits"));
+    let (pid, fp) = wait_worker(&sup, exits);
+    assert!(
+        wait_until(SETTLE, || !matches!(liveness(pid, &fp), Liveness::Alive)),
+        "the worker never exited"
+    );
+    // The stop now waits ~2.5 s for that exit, twice `stale_after`.
+    sup.shutdown();
+    runwarden::actors::worker::stall_exit_probes(Duration::ZERO);
+
+    assert!(beater.alive(), "a leave stop ended a live worker");
+    let mut db = Db::new(td.db_path());
+    let run = db.runs(beats).remove(0);
+    assert_eq!(
+        run.outcome, None,
+        "left open for the next incarnation: {run:?}"
+    );
+    assert_eq!(
+        db.runs(exits).remove(0).outcome,
+        Some(RunOutcome::Completed)
+    );
 }

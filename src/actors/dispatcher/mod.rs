@@ -642,6 +642,12 @@ impl DispatcherActor {
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
+        if !self.accepting {
+            // Stopping: the control socket is closed, so a worker's heartbeat cannot land, and
+            // no run may be closed stale (or for its lease, or its runtime) for that. The
+            // time-based sweeps are the next incarnation's.
+            return;
+        }
         self.pass(ctx);
         self.reconcile(ctx);
         // Safety net for promotions: transitions promote children themselves, but a board
