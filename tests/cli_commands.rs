@@ -34,6 +34,11 @@ command = ["sh", "-c", "sleep 0.3"]
 command = ["sh", "-c", "exit 3"]
 max_retries = 0
 
+[assignees.flaky]
+command = ["sh", "-c", "sleep 0.3; exit 75"]
+retry_exit_codes = [75]
+retry_cooldown = "60s"
+
 [assignees.noisy]
 command = ["sh", "-c", "printf 'first line of the trouble\\n\\033[31mred\\033[0m and the disk is full: no space left on device\\n'; exit 4"]
 max_retries = 0
@@ -390,6 +395,21 @@ fn wait_exit_codes() {
     let (code, err) = failed(&d.cli(&["wait", "4242"]));
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("not found"), "{err}");
+
+    // A failure while it waits puts the task back in line: `--json` says `ready`, not
+    // `running` (the event it follows says so, no second look).
+    let flaky = id_of(&d.cli(&["add", "fails once a while", "-a", "flaky"]));
+    let out = d.cli(&["wait", &flaky.to_string(), "--timeout", "2s", "--json"]);
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    let j: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(j["tasks"][0]["status"], "ready", "{j}");
+
+    // Not 1 either: no supervisor at all.
+    let mut cmd = command();
+    cmd.args(["wait", "1", "--socket", "/nonexistent/rw.sock"]);
+    let (code, err) = failed(&run(cmd));
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("no supervisor is listening"), "{err}");
 }
 
 /// Lines from `rx` until one contains `needle` (or the bound passes).

@@ -229,3 +229,28 @@ fn wait_and_follow_whose_first_hello_meets_a_stopping_supervisor_ride_it_out() {
     );
     d.assert_healthy();
 }
+
+/// A task `wait` saw done, pruned by retention while the supervisor restarted, finished as
+/// seen: `wait` goes on for the others instead of calling it a task that does not exist.
+#[test]
+fn a_task_seen_done_and_pruned_across_a_restart_stays_done_for_wait() {
+    let mut d = Daemon::start("", "[retention]\nfinished = \"1s\"\n");
+    let first = ok(&d.cli(&["add", "done early"])).trim().to_string();
+    let second = ok(&d.cli(&["add", "done later"])).trim().to_string();
+    ok(&d.cli(&["complete", &first, "--force"]));
+    let wait_err = d.dir.path().join("wait.stderr");
+    let mut waiting = connected_cli(&d, &["wait", &first, &second], &wait_err, "30s");
+    assert!(
+        wait_until(SETTLE, || !d.cli(&["show", &first]).status.success()),
+        "retention never pruned task {first}"
+    );
+    d.restart();
+    ok(&d.cli(&["complete", &second, "--force"]));
+    assert_eq!(
+        exit_code(&mut waiting),
+        Some(0),
+        "wait: {}",
+        fs::read_to_string(&wait_err).unwrap_or_default()
+    );
+    d.assert_healthy();
+}

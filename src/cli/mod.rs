@@ -46,8 +46,8 @@ pub const EXIT_FAILURE: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 /// Exit code of `wait` when its timeout passes first.
 pub const EXIT_TIMEOUT: u8 = 124;
-/// Exit code of `wait` and `events --follow` when the supervisor went away and could not be
-/// reached again within `RUNWARDEN_CONNECT_WAIT`.
+/// Exit code of `wait` and `events --follow` when no supervisor is running as they start, or
+/// it went away and could not be reached again within `RUNWARDEN_CONNECT_WAIT`.
 pub const EXIT_LOST: u8 = 3;
 
 /// Writes to stderr. A stderr that cannot be written (a full disk under the log file it was
@@ -173,8 +173,8 @@ pub enum Command {
     /// Show the supervisor's state: pid, uptime, live workers, tasks per status.
     Status,
     /// Wait for tasks: exit 0 once all are done, 1 as soon as one ends blocked or archived,
-    /// 124 on timeout, 3 if the supervisor went away and did not come back (a restart is
-    /// ridden out), 2 for a task that does not exist.
+    /// 124 on timeout, 3 if no supervisor is running or it went away and did not come back (a
+    /// restart is ridden out), 2 for a task that does not exist.
     Wait(watch::WaitArgs),
     /// Run the terminal-worker reaper's sweep now.
     Reap,

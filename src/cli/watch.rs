@@ -116,6 +116,12 @@ fn connect_riding_out(
         Err(e) if super::is_passing(&e) && !matches!(e, ClientError::NotRunning { .. }) => {
             reconnects.reconnect(cli, &e, deadline)
         }
+        // Not 1, which `wait` gives a task that ended blocked or archived: a script must tell
+        // a supervisor that is not there from a failed task.
+        Err(e @ ClientError::NotRunning { .. }) => Err(CliError {
+            message: e.to_string(),
+            code: super::EXIT_LOST,
+        }),
         Err(e) => Err(e.into()),
     }
 }
@@ -602,12 +608,20 @@ fn settled(status: TaskStatus) -> bool {
 }
 
 /// What an event does to a waited-for task's status (only the kinds that settle or reopen it).
-fn status_after(kind: &str) -> Option<TaskStatus> {
-    match kind {
+fn status_after(ev: &crate::board::Event) -> Option<TaskStatus> {
+    match ev.kind.as_str() {
         "completed" => Some(TaskStatus::Done),
         "blocked" | "gave_up" => Some(TaskStatus::Blocked),
         "archived" => Some(TaskStatus::Archived),
-        "unblocked" | "reclaimed" | "retry_scheduled" | "claimed" => Some(TaskStatus::Running),
+        "claimed" => Some(TaskStatus::Running),
+        // Back in line (a retry after its backoff, a released run, a parent finished).
+        "reclaimed" | "retry_scheduled" | "promoted" => Some(TaskStatus::Ready),
+        "demoted" => Some(TaskStatus::Todo),
+        // Ready, or waiting for a parent: the event says which.
+        "unblocked" => ev.payload["status"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .or(Some(TaskStatus::Ready)),
         _ => None,
     }
 }
@@ -680,6 +694,13 @@ fn wait_on(
     for &id in &args.ids {
         match client.show_task(id, Some(0)) {
             Ok(detail) => state.insert(id, detail.task.status),
+            // Seen finished on an earlier connection and pruned by retention since (while the
+            // supervisor restarted): it finished as seen.
+            Err(ClientError::Server { code, .. })
+                if code == "not_found" && state.get(&id).is_some_and(|s| settled(*s)) =>
+            {
+                continue;
+            }
             // Not 1, which says a task ended blocked or archived: a script must tell a
             // mistyped id from a failed task.
             Err(ClientError::Server { code, message }) if code == "not_found" => {
@@ -709,7 +730,7 @@ fn wait_on(
         stream.set_timeout(remaining)?;
         match stream.next() {
             Some(Ok(ev)) => {
-                if let (Some(task), Some(status)) = (ev.task_id, status_after(&ev.kind))
+                if let (Some(task), Some(status)) = (ev.task_id, status_after(&ev))
                     && let Some(s) = state.get_mut(&task)
                 {
                     *s = status;
