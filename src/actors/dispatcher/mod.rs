@@ -938,9 +938,11 @@ impl Handler<StopDispatching> for DispatcherActor {
                         let mut closed_by_worker = Vec::new();
                         for &(run_id, task_id) in &runs {
                             // A row gone (pruned) is skipped, not a reason to release none.
-                            let (Ok(task), Ok(run)) = (tx.get_task(task_id), tx.get_run(run_id))
-                            else {
-                                continue;
+                            let (task, run) = match (tx.get_task(task_id), tx.get_run(run_id)) {
+                                (Ok(task), Ok(run)) => (task, run),
+                                (Err(board::BoardError::NotFound { .. }), _)
+                                | (_, Err(board::BoardError::NotFound { .. })) => continue,
+                                (Err(e), _) | (_, Err(e)) => return Err(e),
                             };
                             let still_current = task.current_run_id == Some(run_id);
                             if run.outcome.is_some_and(|o| o.closed_by_its_worker()) {
