@@ -437,7 +437,7 @@ impl DispatcherActor {
                                         // `reclaim_task` closes the task's current run: only
                                         // while that is still this one (the snapshot may be old).
                                         if tx.get_task(run.task_id)?.current_run_id == Some(run_id) {
-                                            tx.reclaim_task(run.task_id, "claimed by a supervisor that died before starting the worker", now)?;
+                                            tx.reclaim_task(run.task_id, "claimed by an earlier supervisor, and no worker of that run is running (never started, or ended before its pid could be recorded)", now)?;
                                         }
                                         tx.settle_spawn(run_id).map(|_| ())
                                     })
