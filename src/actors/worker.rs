@@ -702,6 +702,14 @@ impl WorkerActor {
                         ended_at,
                     })
             }
+            // The store is stopping (a `leave` stop past its wait): the worker is left running
+            // as the stop promises; the next incarnation finds it by its run's token.
+            Err(e) if e.code == "unavailable" => {
+                tracing::info!(
+                    run_id = self.run_id(),
+                    "worker: its pid was not recorded before the stop; left to the next incarnation, which finds it by its run's token"
+                );
+            }
             Err(e) if !self.exit_recorded => {
                 // Not recorded means not reachable after a restart: do not keep it running.
                 tracing::error!(run_id = self.run_id(), error = %e, "worker: cannot record pid; ending it");
