@@ -217,10 +217,6 @@ fn run_hook(
     for key in RUN_VARS {
         cmd.env_remove(key);
     }
-    // The `runwarden` its commands run is this one, as for a worker.
-    if let Some(path) = super::spawn::path_with_own_binary() {
-        cmd.env("PATH", path);
-    }
     cmd.args(args)
         .env("RUNWARDEN_SOCKET", socket)
         .stdin(Stdio::piped())

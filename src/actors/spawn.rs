@@ -929,9 +929,9 @@ pub fn log_tail(path: &Path, from: u64, n: u64) -> String {
 }
 
 /// PATH with the directory of the running `runwarden` binary first, so `runwarden complete`
-/// works inside a worker (or a hook) of `cargo run -- serve`. Embedding programs are not named
-/// runwarden and leave PATH alone.
-pub(crate) fn path_with_own_binary() -> Option<&'static std::ffi::OsStr> {
+/// works inside a worker of `cargo run -- serve`. Embedding programs are not named runwarden
+/// and leave PATH alone.
+fn path_with_own_binary() -> Option<&'static std::ffi::OsStr> {
     // Computed once: the binary and the supervisor's PATH do not change while it runs.
     static PATH: OnceLock<Option<std::ffi::OsString>> = OnceLock::new();
     PATH.get_or_init(compute_path_with_own_binary).as_deref()
