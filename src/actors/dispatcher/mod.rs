@@ -933,30 +933,45 @@ impl Handler<StopDispatching> for DispatcherActor {
                 // Release first: a worker ended by our shutdown is not the task's failure.
                 // A worker whose run it closed itself (in its grace) outlived its run: its
                 // end is recorded as the terminal reap it is, only sooner.
-                let closed_by_worker = store
+                // Each run on its own: one that cannot be read or released is said and
+                // skipped, never a reason to release none (every worker would then be ended
+                // with its run open, and counted a crash).
+                let released = store
                     .with_tx(move |tx, now| {
                         let mut closed_by_worker = Vec::new();
+                        let mut failed = Vec::new();
                         for &(run_id, task_id) in &runs {
-                            // A row gone (pruned) is skipped, not a reason to release none.
-                            let (task, run) = match (tx.get_task(task_id), tx.get_run(run_id)) {
-                                (Ok(task), Ok(run)) => (task, run),
-                                (Err(board::BoardError::NotFound { .. }), _)
-                                | (_, Err(board::BoardError::NotFound { .. })) => continue,
-                                (Err(e), _) | (_, Err(e)) => return Err(e),
-                            };
-                            let still_current = task.current_run_id == Some(run_id);
-                            if run.outcome.is_some_and(|o| o.closed_by_its_worker()) {
-                                closed_by_worker.push(run_id);
-                            } else if still_current {
-                                let _ = tx.nested(|tx| {
-                                    tx.reclaim_task(task_id, "supervisor shutdown", now)
-                                });
+                            let one = tx.nested(|tx| {
+                                let run = tx.get_run(run_id)?;
+                                if run.outcome.is_some_and(|o| o.closed_by_its_worker()) {
+                                    return Ok(true);
+                                }
+                                if tx.get_task(task_id)?.current_run_id == Some(run_id) {
+                                    tx.reclaim_task(task_id, "supervisor shutdown", now)?;
+                                }
+                                Ok(false)
+                            });
+                            match one {
+                                Ok(true) => closed_by_worker.push(run_id),
+                                Ok(false) | Err(board::BoardError::NotFound { .. }) => {}
+                                Err(e) => failed.push((run_id, e.to_string())),
                             }
                         }
-                        Ok(closed_by_worker)
+                        Ok((closed_by_worker, failed))
                     })
-                    .await
-                    .unwrap_or_default();
+                    .await;
+                let closed_by_worker = match released {
+                    Ok((closed_by_worker, failed)) => {
+                        for (run_id, error) in failed {
+                            tracing::warn!(run_id, %error, "shutdown: cannot release the run; its worker is ended with it open (the next start closes it)");
+                        }
+                        closed_by_worker
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "shutdown: cannot release the runs; their workers are ended with them open (the next start closes them)");
+                        Vec::new()
+                    }
+                };
                 for (run_id, a) in &addrs {
                     let reason = if closed_by_worker.contains(run_id) {
                         TerminateReason::TerminalReap
