@@ -5,10 +5,14 @@
 #[allow(dead_code)]
 mod common;
 
+use std::fs;
 use std::path::Path;
 use std::sync::mpsc;
 
-use common::control_daemon::{Daemon, SETTLE, bin, command, failed, ok, ok_json, run, stream};
+use common::control_daemon::{
+    Daemon, SETTLE, bin, command, failed, has_connected_socket, ok, ok_json, run, stream,
+};
+use common::proc_guard::ChildGuard;
 use common::proc_guard::wait_until;
 use common::runtime::WorkerGuard;
 use serde_json::Value;
@@ -35,7 +39,7 @@ command = ["sh", "-c", "exit 3"]
 max_retries = 0
 
 [assignees.flaky]
-command = ["sh", "-c", "sleep 0.3; exit 75"]
+command = ["sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 75"]
 retry_exit_codes = [75]
 retry_cooldown = "60s"
 
@@ -397,12 +401,39 @@ fn wait_exit_codes() {
     assert!(err.contains("not found"), "{err}");
 
     // A failure while it waits puts the task back in line: `--json` says `ready`, not
-    // `running` (the event it follows says so, no second look).
+    // `running` (the event it follows says so, no second look). The worker fails once the
+    // wait follows (its gate: `go` in its work dir).
     let flaky = id_of(&d.cli(&["add", "fails once a while", "-a", "flaky"]));
-    let out = d.cli(&["wait", &flaky.to_string(), "--timeout", "2s", "--json"]);
-    assert_eq!(out.status.code(), Some(124), "{out:?}");
-    let j: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let stdout = d.dir.path().join("wait-flaky.json");
+    let mut waiting = waiting_in_background(
+        &d,
+        &[&flaky.to_string(), "--timeout", "3s", "--json"],
+        &stdout,
+    );
+    wait_status(&d, flaky, "running");
+    fs::write(
+        d.data_dir.join("work").join(flaky.to_string()).join("go"),
+        "",
+    )
+    .unwrap();
+    assert_eq!(exit_of(&mut waiting), Some(124));
+    let j: Value = serde_json::from_str(&fs::read_to_string(&stdout).unwrap()).expect("JSON");
     assert_eq!(j["tasks"][0]["status"], "ready", "{j}");
+
+    // A task seen done and archived afterwards finished: `wait` goes on for the others.
+    let early = id_of(&d.cli(&["add", "done, then put away"]));
+    let later = id_of(&d.cli(&["add", "done later"]));
+    ok(&d.cli(&["complete", &early.to_string(), "--force"]));
+    let stdout = d.dir.path().join("wait-archived.txt");
+    let mut waiting = waiting_in_background(&d, &[&early.to_string(), &later.to_string()], &stdout);
+    ok(&d.cli(&["archive", &early.to_string()]));
+    ok(&d.cli(&["complete", &later.to_string(), "--force"]));
+    assert_eq!(
+        exit_of(&mut waiting),
+        Some(0),
+        "{}",
+        fs::read_to_string(&stdout).unwrap_or_default()
+    );
 
     // Not 1 either: no supervisor at all.
     let mut cmd = command();
@@ -410,6 +441,33 @@ fn wait_exit_codes() {
     let (code, err) = failed(&run(cmd));
     assert_eq!(code, 3, "{err}");
     assert!(err.contains("no supervisor is listening"), "{err}");
+}
+
+/// `runwarden wait ARGS` against the daemon, stdout into `stdout`; returned once it follows
+/// the supervisor (connected).
+fn waiting_in_background(d: &Daemon, args: &[&str], stdout: &Path) -> ChildGuard {
+    let mut cmd = command();
+    cmd.arg("--socket")
+        .arg(&d.socket)
+        .arg("wait")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(fs::File::create(stdout).unwrap())
+        .stderr(std::process::Stdio::null());
+    let child = ChildGuard::spawn(&mut cmd).expect("spawn runwarden wait");
+    assert!(
+        wait_until(SETTLE, || has_connected_socket(child.pid())),
+        "wait never connected"
+    );
+    child
+}
+
+/// Its exit code, waited for within [`SETTLE`].
+fn exit_of(child: &mut ChildGuard) -> Option<i32> {
+    let exited = child.pidfd().wait_exit(SETTLE).unwrap_or(false);
+    exited
+        .then(|| child.0.wait().expect("wait").code())
+        .flatten()
 }
 
 /// Lines from `rx` until one contains `needle` (or the bound passes).

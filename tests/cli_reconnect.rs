@@ -11,34 +11,9 @@ mod common;
 use std::fs;
 use std::process::{Command, Stdio};
 
-use common::control_daemon::{Daemon, command, ok, stream_of};
+use common::control_daemon::{Daemon, command, has_connected_socket, ok, stream_of};
 use common::proc_guard::{ChildGuard, wait_until};
 use common::runtime::SETTLE;
-
-/// Whether process `pid` holds a connected Unix socket: a client that has reached the
-/// supervisor (its `/proc/<pid>/fd` links matched against `/proc/net/unix`, state 03).
-fn has_connected_socket(pid: i32) -> bool {
-    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return false;
-    };
-    let inodes: Vec<String> = fds
-        .flatten()
-        .filter_map(|fd| fs::read_link(fd.path()).ok())
-        .filter_map(|link| {
-            let link = link.to_string_lossy().into_owned();
-            Some(
-                link.strip_prefix("socket:[")?
-                    .strip_suffix(']')?
-                    .to_string(),
-            )
-        })
-        .collect();
-    let table = fs::read_to_string("/proc/net/unix").unwrap_or_default();
-    table.lines().skip(1).any(|row| {
-        let cols: Vec<&str> = row.split_whitespace().collect();
-        cols.len() > 6 && cols[5] == "03" && inodes.iter().any(|i| i == cols[6])
-    })
-}
 
 /// `runwarden ARGS` against the daemon's socket, riding out a restart for up to 30 s
 /// (`RUNWARDEN_CONNECT_WAIT`).
@@ -237,9 +212,10 @@ fn a_task_seen_done_and_pruned_across_a_restart_stays_done_for_wait() {
     let mut d = Daemon::start("", "[retention]\nfinished = \"1s\"\n");
     let first = ok(&d.cli(&["add", "done early"])).trim().to_string();
     let second = ok(&d.cli(&["add", "done later"])).trim().to_string();
-    ok(&d.cli(&["complete", &first, "--force"]));
     let wait_err = d.dir.path().join("wait.stderr");
     let mut waiting = connected_cli(&d, &["wait", &first, &second], &wait_err, "30s");
+    // Done while `wait` follows (so it has seen it: retention may prune it a second later).
+    ok(&d.cli(&["complete", &first, "--force"]));
     assert!(
         wait_until(SETTLE, || !d.cli(&["show", &first]).status.success()),
         "retention never pruned task {first}"

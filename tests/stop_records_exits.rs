@@ -62,11 +62,13 @@ fn an_exit_being_recorded_when_a_leave_stop_begins_is_recorded() {
 #[test]
 fn a_leave_stop_closes_no_run_stale_while_it_waits() {
     let _serial = common::lifecycle::serial(&SERIAL);
-    runwarden::actors::worker::stall_exit_probes(Duration::from_millis(2500));
+    // The stop's wait (within kill_timeout + 2 s = 5 s) lasts the stall, twice `stale_after`.
+    runwarden::actors::worker::stall_exit_probes(Duration::from_secs(4));
     let td = TestDir::new();
     let mut config = lib_config(&td);
     config.supervisor.shutdown = ShutdownMode::Leave;
-    config.leases.stale_after = Duration::from_secs(1);
+    config.leases.stale_after = Duration::from_secs(2);
+    config.reaper.kill_timeout = Duration::from_secs(3);
     config
         .assignees
         .insert("exits".into(), AssigneeConfig::new(["sleep", "0.4"]));
@@ -85,12 +87,13 @@ fn a_leave_stop_closes_no_run_stale_while_it_waits() {
         wait_until(SETTLE, || !matches!(liveness(pid, &fp), Liveness::Alive)),
         "the worker never exited"
     );
-    // The stop now waits ~2.5 s for that exit, twice `stale_after`.
+    // Not stale before the stop (heartbeats every 0.2 s), or the test proves nothing.
+    let mut db = Db::new(td.db_path());
+    assert_eq!(db.runs(beats)[0].outcome, None, "closed before the stop");
     sup.shutdown();
     runwarden::actors::worker::stall_exit_probes(Duration::ZERO);
 
     assert!(beater.alive(), "a leave stop ended a live worker");
-    let mut db = Db::new(td.db_path());
     let run = db.runs(beats).remove(0);
     assert_eq!(
         run.outcome, None,

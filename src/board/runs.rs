@@ -525,7 +525,7 @@ impl Tx<'_> {
             Some(task_id),
             Some(run_id),
             "reclaimed",
-            json!({ "reason": reason }),
+            json!({ "reason": reason, "status": next }),
             now,
         )?;
         Ok(closed)
@@ -588,7 +588,7 @@ impl Tx<'_> {
                 Some(task.id),
                 Some(run_id),
                 "retry_scheduled",
-                json!({ "not_before": not_before, "failures": failures, "counted": failure.counts, "outcome": failure.outcome }),
+                json!({ "not_before": not_before, "failures": failures, "counted": failure.counts, "outcome": failure.outcome, "status": status }),
                 now,
             )?;
         }

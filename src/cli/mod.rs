@@ -117,7 +117,9 @@ pub enum Command {
         #[arg(value_parser = task_id, allow_negative_numbers = true)]
         id: TaskId,
     },
-    /// Print the event log, or one task's; --follow keeps printing events as they commit.
+    /// Print the event log, or one task's; --follow keeps printing events as they commit,
+    /// riding out a supervisor restart (exit 3 if no supervisor is running, or it does not
+    /// come back within RUNWARDEN_CONNECT_WAIT).
     Events(watch::EventsArgs),
     /// Print a task's log file; --follow keeps printing as it grows.
     Logs(watch::LogsArgs),

@@ -614,15 +614,25 @@ fn status_after(ev: &crate::board::Event) -> Option<TaskStatus> {
         "blocked" | "gave_up" => Some(TaskStatus::Blocked),
         "archived" => Some(TaskStatus::Archived),
         "claimed" => Some(TaskStatus::Running),
-        // Back in line (a retry after its backoff, a released run, a parent finished).
-        "reclaimed" | "retry_scheduled" | "promoted" => Some(TaskStatus::Ready),
+        "promoted" => Some(TaskStatus::Ready),
         "demoted" => Some(TaskStatus::Todo),
-        // Ready, or waiting for a parent: the event says which.
-        "unblocked" => ev.payload["status"]
+        // Back in line (a released run, a retry after its backoff, an unblock): ready, or
+        // waiting for a parent — the event says which.
+        "reclaimed" | "retry_scheduled" | "unblocked" => ev.payload["status"]
             .as_str()
             .and_then(|s| s.parse().ok())
             .or(Some(TaskStatus::Ready)),
         _ => None,
+    }
+}
+
+/// A task seen done stays done for `wait`: archiving it afterwards (put away, as retention
+/// would prune it) does not undo that it finished.
+fn after_done(was: TaskStatus, now: TaskStatus) -> TaskStatus {
+    if was == TaskStatus::Done && now == TaskStatus::Archived {
+        TaskStatus::Done
+    } else {
+        now
     }
 }
 
@@ -693,7 +703,11 @@ fn wait_on(
     };
     for &id in &args.ids {
         match client.show_task(id, Some(0)) {
-            Ok(detail) => state.insert(id, detail.task.status),
+            Ok(detail) => {
+                let was = state.get(&id).copied();
+                let now = was.map_or(detail.task.status, |w| after_done(w, detail.task.status));
+                state.insert(id, now)
+            }
             // Seen finished on an earlier connection and pruned by retention since (while the
             // supervisor restarted): it finished as seen.
             Err(ClientError::Server { code, .. })
@@ -733,7 +747,7 @@ fn wait_on(
                 if let (Some(task), Some(status)) = (ev.task_id, status_after(&ev))
                     && let Some(s) = state.get_mut(&task)
                 {
-                    *s = status;
+                    *s = after_done(*s, status);
                 }
                 if state.values().all(|s| settled(*s)) || any_failed(state) {
                     return Ok(Waited::Settled);

@@ -433,3 +433,28 @@ pub fn error_code(v: &serde_json::Value) -> &str {
     assert_eq!(v["ok"], false, "expected a refusal: {v}");
     v["error"]["code"].as_str().unwrap_or("")
 }
+
+/// Whether process `pid` holds a connected Unix socket: a client that has reached the
+/// supervisor (its `/proc/<pid>/fd` links matched against `/proc/net/unix`, state 03).
+pub fn has_connected_socket(pid: i32) -> bool {
+    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    let inodes: Vec<String> = fds
+        .flatten()
+        .filter_map(|fd| fs::read_link(fd.path()).ok())
+        .filter_map(|link| {
+            let link = link.to_string_lossy().into_owned();
+            Some(
+                link.strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_string(),
+            )
+        })
+        .collect();
+    let table = fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    table.lines().skip(1).any(|row| {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        cols.len() > 6 && cols[5] == "03" && inodes.iter().any(|i| i == cols[6])
+    })
+}

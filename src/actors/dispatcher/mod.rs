@@ -644,8 +644,9 @@ impl DispatcherActor {
     fn tick(&mut self, ctx: &mut Context<Self>) {
         if !self.accepting {
             // Stopping: the control socket is closed, so a worker's heartbeat cannot land, and
-            // no run may be closed stale (or for its lease, or its runtime) for that. The
-            // time-based sweeps are the next incarnation's.
+            // no run may be closed stale, or for its lease, for that. The tick's sweeps are the
+            // next incarnation's. (A worker's own `max_runtime` timer still ends it: the
+            // limit does not depend on what the worker can report.)
             return;
         }
         self.pass(ctx);
