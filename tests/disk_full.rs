@@ -125,6 +125,74 @@ fn titles(c: &mut RawConn) -> Vec<String> {
     t
 }
 
+/// A supervisor on a 4 MiB data dir of its own ([`SmallFs`]), connected, whose assignee `w`
+/// runs `sh -c WORKER`; `WORKER` may wait at gates the test opens ([`SmallDisk::gate`],
+/// [`SmallDisk::open`]), files outside that file system. Its fields drop in order: the
+/// connection and the supervisor go before the unmount.
+struct SmallDisk {
+    c: RawConn,
+    d: Daemon,
+    _fs: SmallFs,
+    data: PathBuf,
+    gates: PathBuf,
+}
+
+impl SmallDisk {
+    /// `supervisor`: more `[supervisor]` keys; `sections`: tables before `[assignees.w]`;
+    /// `worker`: its script, given the gates' directory.
+    fn start(supervisor: &str, sections: &str, worker: impl FnOnce(&Path) -> String) -> SmallDisk {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let data = dir.path().join("data");
+        let gates = dir.path().join("gates");
+        fs::create_dir_all(&gates).expect("gates");
+        let fs = SmallFs::mount(&data, "4m");
+        let script = worker(&gates);
+        let d = Daemon::start_in(
+            dir,
+            supervisor,
+            &format!("{sections}\n\n[assignees.w]\ncommand = [\"sh\", \"-c\", {script:?}]\n"),
+        );
+        let mut c = d.raw();
+        c.hello();
+        SmallDisk {
+            c,
+            d,
+            _fs: fs,
+            data,
+            gates,
+        }
+    }
+
+    /// A shell fragment waiting until the gate `name` (in `gates`) is opened.
+    fn gate(gates: &Path, name: &str) -> String {
+        format!(
+            "while [ ! -e {:?} ]; do sleep 0.05; done",
+            gates.join(name).display().to_string()
+        )
+    }
+
+    /// Opens the gate `name`.
+    fn open(&self, name: &str) {
+        fs::write(self.gates.join(name), "").expect("open a gate");
+    }
+
+    /// Adds a task for `w`; its id.
+    fn add_w(&mut self, title: &str) -> i64 {
+        let r = self.c.call(
+            &serde_json::json!({"id": 1, "op": "add_task", "title": title, "assignee": "w"})
+                .to_string(),
+        );
+        assert_eq!(r["ok"], true, "{r}");
+        r["result"]["id"].as_i64().expect("an id")
+    }
+
+    /// The task as `show_task` answers.
+    fn show(&mut self, task: i64) -> serde_json::Value {
+        self.c
+            .call(&format!(r#"{{"id":2,"op":"show_task","task":{task}}}"#))
+    }
+}
+
 #[test]
 fn a_full_disk_refuses_writes_cleanly_and_the_supervisor_recovers() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -179,48 +247,30 @@ fn a_full_disk_refuses_writes_cleanly_and_the_supervisor_recovers() {
 #[test]
 fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
     use std::time::Duration;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let data = dir.path().join("data");
-    // Outside the small file system: the test's signal to the worker.
-    let gate = dir.path().join("gate");
-    let _fs = SmallFs::mount(&data, "4m");
-    let worker = format!(
-        "while [ ! -e {gate:?} ]; do sleep 0.05; done; exit 0",
-        gate = gate.display().to_string()
-    );
-    let mut d = Daemon::start_in(
-        dir,
+    let mut sd = SmallDisk::start(
         "",
         // A stale_after well under the outage: a worker whose exit waits to be recorded is
         // not "silent", and must not be closed stale meanwhile.
-        &format!(
-            "[leases]\nstale_after = \"5s\"\n\n[retries]\nmax_retries = 0\n\n\
-             [assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"
-        ),
+        "[leases]\nstale_after = \"5s\"\n\n[retries]\nmax_retries = 0",
+        |gates| format!("{}; exit 0", SmallDisk::gate(gates, "exit")),
     );
-    let mut c = d.raw();
-    c.hello();
-    let r =
-        c.call(r#"{"id":1,"op":"add_task","title":"exits while the disk is full","assignee":"w"}"#);
-    assert_eq!(r["ok"], true, "{r}");
-    let task = r["result"]["id"].as_i64().expect("an id");
-    let show = |c: &mut RawConn| c.call(&format!(r#"{{"id":2,"op":"show_task","task":{task}}}"#));
+    let task = sd.add_w("exits while the disk is full");
     assert!(
-        common::proc_guard::wait_until(Duration::from_secs(10), || show(&mut c)["result"]["runs"]
+        common::proc_guard::wait_until(Duration::from_secs(10), || sd.show(task)["result"]["runs"]
             [0]["worker_pid"]
             .is_i64()),
         "the worker never started: {}",
-        show(&mut c)
+        sd.show(task)
     );
 
-    let filler = data.join("filler");
+    let filler = sd.data.join("filler");
     assert!(fill(&filler) > 0, "the filler wrote nothing");
-    fs::write(&gate, "").expect("open the gate");
+    sd.open("exit");
     // Longer than the few attempts any other refusal gets (1 + 2 + 3 + 4 + 5 s): the exit is
     // still waiting to be recorded, the run open, nothing closed as a crash.
     let mut seen = serde_json::Value::Null;
     let left_running = common::proc_guard::wait_until(Duration::from_secs(17), || {
-        seen = show(&mut c);
+        seen = sd.show(task);
         seen["result"]["status"] != "running"
     });
     assert!(!left_running, "the run did not stay open: {seen}");
@@ -228,7 +278,7 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
     let mut last = serde_json::Value::Null;
     assert!(
         common::proc_guard::wait_until(Duration::from_secs(20), || {
-            last = show(&mut c);
+            last = sd.show(task);
             last["result"]["status"] == "done"
         }),
         "the exit was never recorded: {last}"
@@ -236,7 +286,7 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
     let run = &last["result"]["runs"][0];
     assert_eq!(run["outcome"], "completed", "{last}");
     assert_eq!(run["exit_code"], 0, "{last}");
-    d.assert_healthy();
+    sd.d.assert_healthy();
 }
 
 /// A worker that fills the disk with its own output: the tick's rotation cannot write the
@@ -246,26 +296,16 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
 #[test]
 fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
     use std::time::Duration;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let data = dir.path().join("data");
-    let gate = dir.path().join("gate");
-    let _fs = SmallFs::mount(&data, "4m");
     // More than the disk holds, in one write(2) (no tick's rotation can keep up with it, on
-    // however slow a machine): it writes until the disk is full, then waits for the gate.
-    let worker = format!(
-        "dd if=/dev/zero bs=8M count=1 2>/dev/null; while [ ! -e {gate:?} ]; do sleep 0.05; done; echo after",
-        gate = gate.display().to_string()
-    );
-    let mut d = Daemon::start_in(
-        dir,
-        "log_max_bytes = 524288",
-        &format!("[assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"),
-    );
-    let mut c = d.raw();
-    c.hello();
-    let r = c.call(r#"{"id":1,"op":"add_task","title":"chatty","assignee":"w"}"#);
-    assert_eq!(r["ok"], true, "{r}");
-    let task = r["result"]["id"].as_i64().expect("an id");
+    // however slow a machine): it writes until the disk is full, then waits for its gate.
+    let mut sd = SmallDisk::start("log_max_bytes = 524288", "", |gates| {
+        format!(
+            "dd if=/dev/zero bs=8M count=1 2>/dev/null; {}; echo after",
+            SmallDisk::gate(gates, "after")
+        )
+    });
+    let task = sd.add_w("chatty");
+    let data = sd.data.clone();
     let log = data.join("logs").join(format!("{task}.log"));
     let backup = data.join("logs").join(format!("{task}.log.1"));
     let free = || {
@@ -276,7 +316,7 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
     // write a backup, and must make room — by the old backup if a rotation during the
     // writing left one, else by cutting the log.
     let said_cut = || {
-        let said = d.stderr_text();
+        let said = sd.d.stderr_text();
         said.contains("the log cut with no backup kept")
             || said.contains("its old backup was deleted to make room")
     };
@@ -291,20 +331,20 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
         "the log (then {} bytes) was never cut; {} bytes free; stderr:\n{}",
         seen.0,
         seen.1,
-        d.stderr_text()
+        sd.d.stderr_text()
     );
     assert!(
         fs::metadata(&backup).is_ok_and(|m| m.len() <= 524288),
         "a backup within the bound is in place"
     );
-    let r = c.call(r#"{"id":2,"op":"add_task","title":"room again"}"#);
+    let r =
+        sd.c.call(r#"{"id":2,"op":"add_task","title":"room again"}"#);
     assert_eq!(r["ok"], true, "the board is writable again: {r}");
-    fs::write(&gate, "").expect("open the gate");
-    let show = |c: &mut RawConn| c.call(&format!(r#"{{"id":3,"op":"show_task","task":{task}}}"#));
+    sd.open("after");
     let mut last = serde_json::Value::Null;
     assert!(
         common::proc_guard::wait_until(Duration::from_secs(10), || {
-            last = show(&mut c);
+            last = sd.show(task);
             last["result"]["status"] == "done"
         }),
         "the run never ended: {last}"
@@ -313,7 +353,7 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
         fs::read_to_string(&log).is_ok_and(|l| l.ends_with("after\n")),
         "the worker's later output lands in the cut log"
     );
-    d.assert_healthy();
+    sd.d.assert_healthy();
 }
 
 /// A first start on a full disk fails (no room for the lock file or the board) and says so;
@@ -362,40 +402,23 @@ fn a_first_start_on_a_full_disk_fails_and_leaves_its_data_dir_private() {
 #[test]
 fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
     use std::time::Duration;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let data = dir.path().join("data");
-    let gates = dir.path().join("gates");
-    fs::create_dir_all(&gates).expect("gates");
-    let _fs = SmallFs::mount(&data, "4m");
     // 600 KiB of `y` (rotated as usual), then at the second gate 600 KiB of `z`.
-    let wait = |gate: &str| {
+    let mut sd = SmallDisk::start("log_max_bytes = 524288", "", |gates| {
         format!(
-            "while [ ! -e {:?} ]; do sleep 0.05; done",
-            gates.join(gate).display().to_string()
+            "{}; head -c 614400 /dev/zero | tr '\\0' y; {}; head -c 614400 /dev/zero | tr '\\0' z; exec sleep 30",
+            SmallDisk::gate(gates, "a"),
+            SmallDisk::gate(gates, "b")
         )
-    };
-    let worker = format!(
-        "{}; head -c 614400 /dev/zero | tr '\\0' y; {}; head -c 614400 /dev/zero | tr '\\0' z; exec sleep 30",
-        wait("a"),
-        wait("b")
-    );
-    let mut d = Daemon::start_in(
-        dir,
-        "log_max_bytes = 524288",
-        &format!("[assignees.w]\ncommand = [\"sh\", \"-c\", {worker:?}]\n"),
-    );
-    let mut c = d.raw();
-    c.hello();
-    let r = c.call(r#"{"id":1,"op":"add_task","title":"a bit over","assignee":"w"}"#);
-    assert_eq!(r["ok"], true, "{r}");
-    let task = r["result"]["id"].as_i64().expect("an id");
+    });
+    let task = sd.add_w("a bit over");
+    let data = sd.data.clone();
     let log = data.join("logs").join(format!("{task}.log"));
     let backup = data.join("logs").join(format!("{task}.log.1"));
     let size = || fs::metadata(&log).map_or(0, |m| m.len());
     let backup_of = |byte: u8| {
         fs::read(&backup).is_ok_and(|b| b.len() == 524288 && b.iter().all(|&x| x == byte))
     };
-    fs::write(gates.join("a"), "").expect("open gate a");
+    sd.open("a");
     assert!(
         common::proc_guard::wait_until(Duration::from_secs(10), || backup_of(b'y')),
         "the first 600 KiB were never rotated"
@@ -410,18 +433,19 @@ fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
     let len = f.metadata().expect("filler size").len();
     f.set_len(len - 700 * 1024).expect("free 700 KiB");
     drop(f); // An open file keeps its space after its removal below.
-    fs::write(gates.join("b"), "").expect("open gate b");
+    sd.open("b");
     assert!(
         common::proc_guard::wait_until(Duration::from_secs(10), || size() >= 614400),
         "the worker's output never landed: {} bytes",
         size()
     );
     assert!(
-        common::proc_guard::wait_until(Duration::from_secs(10), || d
+        common::proc_guard::wait_until(Duration::from_secs(10), || sd
+            .d
             .stderr_text()
             .contains("log rotation failed")),
         "no failed rotation said: {}",
-        d.stderr_text()
+        sd.d.stderr_text()
     );
     // Several ticks (200 ms) later the log still has every line, and the backup its own.
     let lost = common::proc_guard::wait_until(Duration::from_secs(1), || {
@@ -439,5 +463,5 @@ fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
         common::proc_guard::wait_until(Duration::from_secs(10), || backup_of(b'z')),
         "never rotated once there was room"
     );
-    d.assert_healthy();
+    sd.d.assert_healthy();
 }

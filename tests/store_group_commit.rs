@@ -285,6 +285,18 @@ fn drain(feed: &mut EventFeed) -> Vec<Arc<Event>> {
     }
 }
 
+/// Every task's title on the board, sorted.
+fn sorted_titles(mut board: runwarden::board::Board) -> Vec<String> {
+    let mut titles: Vec<String> = board
+        .read(|tx| tx.list_tasks(&Default::default()))
+        .unwrap()
+        .into_iter()
+        .map(|t| t.title)
+        .collect();
+    titles.sort();
+    titles
+}
+
 /// An op holding the store's writer (see [`hold_the_writer`]).
 struct Held {
     open: Arc<(Mutex<bool>, Condvar)>,
@@ -382,14 +394,7 @@ fn the_store_counts_a_batch_applied_twice_and_answers_each_caller() {
         stats.batches, 2,
         "the gate, then the three together: {stats:?}"
     );
-    let mut board = tb.board;
-    let mut titles: Vec<String> = board
-        .read(|tx| tx.list_tasks(&Default::default()))
-        .unwrap()
-        .into_iter()
-        .map(|t| t.title)
-        .collect();
-    titles.sort();
+    let titles = sorted_titles(tb.board);
     assert_eq!(titles, ["first", "last"], "nothing of the doomed op stands");
 }
 
@@ -565,14 +570,7 @@ fn a_panicking_op_fails_alone_and_the_writer_goes_on() {
     );
     let err = results[1].as_ref().expect_err("the panicking op fails");
     assert_eq!(err.code, "internal", "{err}");
-    let mut board = tb.board;
-    let mut titles: Vec<String> = board
-        .read(|tx| tx.list_tasks(&Default::default()))
-        .unwrap()
-        .into_iter()
-        .map(|t| t.title)
-        .collect();
-    titles.sort();
+    let titles = sorted_titles(tb.board);
     assert_eq!(
         titles,
         ["after", "first", "last"],
