@@ -68,6 +68,22 @@ fn deaths(members: &[WorkerGuard], timeout: Duration) -> Vec<Option<Instant>> {
     seen
 }
 
+/// A supervisor on `config` with the assignee `hang` ([`HANG`]), and one task of it added.
+fn start_with_a_hanging_worker(
+    mut config: runwarden::config::Config,
+) -> (runwarden::SupervisorHandle, runwarden::board::TaskId) {
+    config.assignees.insert(
+        "hang".into(),
+        runwarden::config::AssigneeConfig::new(["sh", "-c", HANG]),
+    );
+    let sup = Supervisor::start(config).expect("start the supervisor");
+    let id = sup
+        .add_task(NewTask::titled("report, then hang").for_assignee("hang"))
+        .expect("add task")
+        .id;
+    (sup, id)
+}
+
 fn assert_reaped_event(ev: &Event, pid: Pid, fp: &Fingerprint) {
     let p = &ev.payload;
     assert_eq!(p["pid"].as_i64(), Some(i64::from(pid)), "{ev:?}");
@@ -89,15 +105,7 @@ fn a_worker_hanging_after_completion_is_ended_grace_after_the_close() {
     // worker in time; the timer the close scheduled must.
     let tick = Duration::from_secs(5);
     config.supervisor.tick = tick;
-    config.assignees.insert(
-        "hang".into(),
-        runwarden::config::AssigneeConfig::new(["sh", "-c", HANG]),
-    );
-    let sup = Supervisor::start(config).expect("start the supervisor");
-    let id = sup
-        .add_task(NewTask::titled("report, then hang").for_assignee("hang"))
-        .expect("add task")
-        .id;
+    let (sup, id) = start_with_a_hanging_worker(config);
 
     let (pid, fp) = wait_worker(&sup, id);
     let members = pin_group(pid);
@@ -332,15 +340,7 @@ fn a_terminate_shutdown_records_the_end_of_a_worker_in_its_grace_as_a_terminal_r
     let mut config = lib_config(&td); // shutdown = "terminate"
     // A grace the test never waits out: only the shutdown can end the worker in time.
     config.reaper.grace = Duration::from_secs(300);
-    config.assignees.insert(
-        "hang".into(),
-        runwarden::config::AssigneeConfig::new(["sh", "-c", HANG]),
-    );
-    let sup = Supervisor::start(config).expect("start the supervisor");
-    let id = sup
-        .add_task(NewTask::titled("report, then hang").for_assignee("hang"))
-        .expect("add task")
-        .id;
+    let (sup, id) = start_with_a_hanging_worker(config);
     let (pid, fp) = wait_worker(&sup, id);
     let members = pin_group(pid);
     sup.complete(id, Some("ok".into())).expect("complete");
