@@ -132,6 +132,13 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     // After create_dirs: a working directory inside the data dir may be one of ours.
     config.check_working_dirs()?;
     config.check_rlimits()?;
+    for (name, a) in &config.assignees {
+        if let Some(why) = crate::actors::spawn::program_missing(a) {
+            tracing::warn!(
+                "[assignees.{name}] command: {why}; its runs fail to start (spawn_failed) until it is there"
+            );
+        }
+    }
     let lock = LockFile::acquire(&config.lock_path())?;
     // Bound before any actor runs (a live socket refuses the start); served once they are up.
     let socket = ControlServer::bind(&config).map_err(|e| match e {

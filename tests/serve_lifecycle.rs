@@ -374,3 +374,38 @@ fn tasks_for_an_assignee_the_config_lost_are_reported() {
     // Nothing claimed them.
     assert_eq!(reply["counts"]["ready"], 2, "{reply}");
 }
+
+/// A program no worker could start is said at start, naming the assignee's `command` — a typo
+/// otherwise shows only as every run ending `spawn_failed` — and not refused (it may be
+/// installed later): the supervisor serves on. A program that is there is not named.
+#[test]
+fn a_program_that_is_not_there_is_warned_about_at_start() {
+    let td = TestDir::new();
+    let config = td.write_config(
+        "",
+        "[assignees.by_path]\ncommand = [\"/no/such/dir/prog\"]\n\n\
+         [assignees.by_name]\ncommand = [\"no-such-program-rw\", \"--flag\"]\n\n\
+         [assignees.fine]\ncommand = [\"sh\", \"-c\", \"true\"]\n",
+    );
+    let mut serve = Serve::start(&config, "serve");
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    let said = |key: &str, what: &str| {
+        serve
+            .stderr()
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains(key) && l.contains(what))
+    };
+    assert!(
+        wait_until(SETTLE, || said(
+            "[assignees.by_path] command",
+            "/no/such/dir/prog"
+        ) && said(
+            "[assignees.by_name] command",
+            "no-such-program-rw"
+        )),
+        "{}",
+        serve.stderr()
+    );
+    assert!(!said("[assignees.fine]", ""), "{}", serve.stderr());
+    serve.stop_cleanly(Signal::SIGTERM);
+}

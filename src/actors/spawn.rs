@@ -625,6 +625,45 @@ pub fn find_in_path(program: &str, path: Option<&std::ffi::OsStr>, cwd: &Path) -
     })
 }
 
+/// Why an assignee's program cannot be found now, if it cannot: a path that names no
+/// executable file, or a name in no directory of the PATH its workers get (its `env`'s, else
+/// the supervisor's with its own binary's directory first). Asked at start, to warn: the
+/// program may yet appear (installed later), so it is not refused — but otherwise a typo
+/// shows only as every run ending `spawn_failed`. Relative paths, and relative PATH entries,
+/// depend on a task's work dir and are not judged; the check uses this process's ids, not
+/// those of the assignee's `user`.
+pub fn program_missing(assignee: &crate::config::AssigneeConfig) -> Option<String> {
+    let program = assignee.command.first()?;
+    if program.contains('/') {
+        let path = Path::new(program);
+        let runnable = fs::metadata(path).is_ok_and(|m| {
+            use std::os::unix::fs::PermissionsExt;
+            m.is_file() && m.permissions().mode() & 0o111 != 0
+        });
+        return (path.is_absolute() && !runnable)
+            .then(|| format!("{program} is not an executable file"));
+    }
+    let inherited = std::env::var_os("PATH");
+    let path = match (assignee.env.get("PATH"), path_with_own_binary()) {
+        (Some(p), _) => std::ffi::OsString::from(p),
+        (None, Some(p)) => p.to_os_string(),
+        (None, None) => inherited.unwrap_or_else(|| "/bin:/usr/bin".into()),
+    };
+    let judged =
+        std::env::join_paths(std::env::split_paths(&path).filter(|d| d.is_absolute())).ok()?;
+    if judged.len() != path.len() {
+        return None; // Relative entries: resolved in a task's work dir, not known yet.
+    }
+    find_in_path(program, Some(&judged), Path::new("/"))
+        .is_none()
+        .then(|| {
+            format!(
+                "`{program}` is in no directory of its PATH ({})",
+                path.to_string_lossy()
+            )
+        })
+}
+
 /// Creates `dir` (mode 0700: a task's work is its worker's business, and the data dir may be
 /// traversable by others when the socket serves them) — its parents as they come. An existing
 /// one (a retry works where the first attempt did) is made 0700 if it is open to others (made
