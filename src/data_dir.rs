@@ -7,18 +7,77 @@ use std::path::Path;
 use crate::config::Config;
 use crate::supervisor::SupervisorError;
 
-/// The data dir and its `logs/` and `work/`, with their modes — the one place that decides
-/// them (`docs/operations.md`, "The data directory"). The data dir: when it is the
-/// supervisor's alone ([`is_ours`]) and the socket is in it, 0700 (only our uid reaches the
-/// socket), or 0711 when other users need through it (see [`others_need_through`]); alone
-/// with the socket elsewhere, it only loses others' write access and gains that traversal;
-/// not the supervisor's alone, it is never narrowed, only given the traversal when it is our
-/// user's. Inside it `logs/` is 0700 (other operators read logs through the socket) and `work/`
-/// 0711 (a worker running as another user must reach its own `work/<id>`, which is 0700 and
-/// its). Set on every start, so a board from before these modes gets them too. One of them
-/// others may write in that cannot be changed refuses the start.
-pub(crate) fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
+/// Creates the data dir and its `logs/` and `work/` where they are missing — a new one 0700
+/// (`work/` 0711), so nothing of it is ever open to others, even for a start that fails next
+/// — and refuses one that is shared ([`is_ours`]) or not a directory. Changes no mode of a
+/// directory that exists: that is [`set_modes`]'s, once the lock is held, so a start refused
+/// by a running supervisor's lock never narrows what that supervisor's users need. Returns
+/// whether the data dir is the supervisor's alone.
+pub(crate) fn create_dirs(config: &Config) -> Result<bool, SupervisorError> {
     let data_dir_is_ours = is_ours(config)?;
+    for (dir, mode) in [
+        (&config.supervisor.data_dir, 0o700),
+        (&config.logs_dir(), 0o700),
+        (&config.work_dir(), 0o711),
+    ] {
+        make_dir(dir, mode).map_err(|source| {
+            // "File exists" reads like success: say what is in the way.
+            let problem = match source.kind() {
+                std::io::ErrorKind::AlreadyExists => Some("is not a directory"),
+                std::io::ErrorKind::NotADirectory => Some("has a file, not a directory, on its path"),
+                _ => None,
+            };
+            if let Some(problem) = problem {
+                let what = if *dir == config.supervisor.data_dir {
+                    ""
+                } else {
+                    " (inside the data dir)"
+                };
+                return SupervisorError::Config(config.invalid(format!(
+                    "[supervisor] data_dir: {} {problem}{what}; move the file away or choose another data_dir",
+                    dir.display()
+                )));
+            }
+            SupervisorError::Dir {
+                path: dir.to_path_buf(),
+                source,
+            }
+        })?;
+    }
+    Ok(data_dir_is_ours)
+}
+
+/// Creates `dir` with `mode` if it is missing (its parents as they come: they are not ours to
+/// close); one that is a directory already is left as it is.
+fn make_dir(dir: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| match e.kind() {
+            // A file where a parent should be: said as what is wrong with `dir`'s path.
+            std::io::ErrorKind::AlreadyExists => {
+                std::io::Error::from(std::io::ErrorKind::NotADirectory)
+            }
+            _ => e,
+        })?;
+    }
+    match std::fs::DirBuilder::new().mode(mode).create(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        other => other,
+    }
+}
+
+/// Sets the modes of the data dir, `logs/` and `work/` — the one place that decides them
+/// (`docs/operations.md`, "The data directory"); run once the lock is held. The data dir: when
+/// it is the supervisor's alone (`data_dir_is_ours`, from [`create_dirs`]) and the socket is in
+/// it, 0700 (only our uid reaches the socket), or 0711 when other users need through it (see
+/// [`others_need_through`]); alone with the socket elsewhere, it only loses others' write
+/// access and gains that traversal; not the supervisor's alone, it is never narrowed, only
+/// given the traversal when it is our user's. Inside it `logs/` is 0700 (other operators read
+/// logs through the socket) and `work/` 0711 (a worker running as another user must reach its
+/// own `work/<id>`, which is 0700 and its). Set on every start, so a board from before these
+/// modes gets them too. One of them others may write in that cannot be changed refuses the
+/// start.
+pub(crate) fn set_modes(config: &Config, data_dir_is_ours: bool) -> Result<(), SupervisorError> {
     if !data_dir_is_ours {
         tracing::info!(
             data_dir = %config.supervisor.data_dir.display(),
@@ -30,29 +89,6 @@ pub(crate) fn create_dirs(config: &Config) -> Result<(), SupervisorError> {
         (config.logs_dir(), Some(0o700)),
         (config.work_dir(), Some(0o711)),
     ] {
-        std::fs::create_dir_all(&dir).map_err(|source| {
-            // "File exists" reads like success: say what is in the way.
-            let problem = match source.kind() {
-                std::io::ErrorKind::AlreadyExists => Some("is not a directory"),
-                std::io::ErrorKind::NotADirectory => Some("has a file, not a directory, on its path"),
-                _ => None,
-            };
-            if let Some(problem) = problem {
-                let what = if dir == config.supervisor.data_dir {
-                    ""
-                } else {
-                    " (inside the data dir)"
-                };
-                return SupervisorError::Config(config.invalid(format!(
-                    "[supervisor] data_dir: {} {problem}{what}; move the file away or choose another data_dir",
-                    dir.display()
-                )));
-            }
-            SupervisorError::Dir {
-                path: dir.clone(),
-                source,
-            }
-        })?;
         let current = std::fs::metadata(&dir)
             .map(|m| m.permissions().mode() & 0o7777)
             .map_err(|source| SupervisorError::Dir {

@@ -128,7 +128,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     // A loaded config was checked at load; one built in code (embedding) is checked here.
     config.validate()?;
     can_switch_users(&config)?;
-    crate::data_dir::create_dirs(&config)?;
+    let data_dir_is_ours = crate::data_dir::create_dirs(&config)?;
     // After create_dirs: a working directory inside the data dir may be one of ours.
     config.check_working_dirs()?;
     config.check_rlimits()?;
@@ -140,6 +140,9 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         }
     }
     let lock = LockFile::acquire(&config.lock_path())?;
+    // Modes only once the lock is ours: a start that a running supervisor's lock refuses must
+    // not change what that supervisor's users and workers need.
+    crate::data_dir::set_modes(&config, data_dir_is_ours)?;
     // Bound before any actor runs (a live socket refuses the start); served once they are up.
     let socket = ControlServer::bind(&config).map_err(|e| match e {
         crate::control::server::ControlError::AlreadyServing(_) => {

@@ -502,3 +502,37 @@ fn a_data_dir_others_may_write_in_is_refused_unless_it_can_be_made_private() {
         & 0o7777;
     assert_eq!(mode, 0o700);
 }
+
+/// A second `serve` on the same data dir is refused by the lock — and, refused, changes
+/// nothing: with a config that serves no other user, it must not narrow the running
+/// supervisor's 0711 data dir to 0700 (its `allowed_uids` would lose the socket).
+#[test]
+fn a_start_refused_by_the_lock_leaves_the_running_supervisors_modes_alone() {
+    let d = Daemon::start("", &format!("[control]\nallowed_uids = [{NOBODY}]\n"));
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&d.data_dir), 0o711);
+    let second = d.dir.path().join("second.toml");
+    std::fs::write(
+        &second,
+        format!(
+            "[supervisor]\ndata_dir = {:?}\n",
+            d.data_dir.display().to_string()
+        ),
+    )
+    .unwrap();
+    let stderr = d.dir.path().join("second.stderr");
+    let mut refused = Daemon::spawn_serve(&second, &stderr);
+    assert!(
+        refused.pidfd().wait_exit(SETTLE).unwrap_or(false),
+        "the second serve kept running"
+    );
+    let status = refused.0.wait().expect("wait");
+    let said = std::fs::read_to_string(&stderr).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "{said}");
+    assert!(said.contains("lock"), "{said}");
+    assert_eq!(
+        mode(&d.data_dir),
+        0o711,
+        "the refused start changed the data dir"
+    );
+}
