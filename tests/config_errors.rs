@@ -698,3 +698,48 @@ fn a_resource_limit_no_worker_could_be_given_is_refused_at_start() {
     );
     with(Some("daemon"), hard).expect("up to the hard limit is fine");
 }
+
+/// A config built in code is bounded as a file is: a duration over 100 years (`Duration::MAX`
+/// meant as "never") is refused naming its key, not left to wrap to "already past" in the
+/// arithmetic of leases, graces and backoffs (a run closed stale at once, a worker ended with
+/// no grace, a respawn loop, an overflow in the store).
+#[test]
+fn a_duration_too_long_in_a_config_built_in_code_is_refused_naming_its_key() {
+    use std::time::Duration;
+    type Set = fn(&mut Config);
+    let cases: [(&str, Set); 6] = [
+        ("[leases] stale_after", |c| {
+            c.leases.stale_after = Duration::MAX
+        }),
+        ("[reaper] grace", |c| c.reaper.grace = Duration::MAX),
+        ("[retries] backoff", |c| {
+            c.retries.backoff = Duration::MAX;
+            c.retries.backoff_max = Duration::MAX;
+        }),
+        ("[assignees.coder] retry_cooldown", |c| {
+            c.assignees.get_mut("coder").unwrap().retry_cooldown = Duration::MAX
+        }),
+        ("[assignees.coder] max_runtime", |c| {
+            c.assignees.get_mut("coder").unwrap().max_runtime = Some(Duration::MAX)
+        }),
+        ("[leases] claim_ttl", |c| c.leases.claim_ttl = Duration::MAX),
+    ];
+    for (key, set) in cases {
+        let mut config = Config::with_data_dir("/tmp/runwarden-never-created");
+        config
+            .assignees
+            .insert("coder".into(), AssigneeConfig::new(["true"]));
+        set(&mut config);
+        match config.validate() {
+            Err(ConfigError::Invalid { message, .. }) => assert!(
+                message.contains(key) && message.contains("too long (max 100 years)"),
+                "{key}: {message}"
+            ),
+            other => panic!("{key}: expected a refusal, got {other:?}"),
+        }
+    }
+    // 100 years is fine, as in a file ("100y").
+    let mut config = Config::with_data_dir("/tmp/runwarden-never-created");
+    config.leases.stale_after = Duration::from_secs(100 * 31_557_600);
+    config.validate().expect("100 years is allowed");
+}

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::diagnose::{Problem, is_bare_key};
+use super::serde_helpers::MAX_DURATION;
 use super::{AssigneeConfig, Config, HookConfig, RLIMIT_NAMES, rlimit_resource};
 
 /// The variables the supervisor sets for each run: an assignee may not set them, or its worker
@@ -31,6 +32,7 @@ type Checked = Result<(), Problem>;
 /// Validates `config` and resolves its relative paths against `base_dir` (absolute) and its
 /// user and group names to ids.
 pub(super) fn validate_and_resolve(config: &mut Config, base_dir: &Path) -> Checked {
+    durations(config)?;
     let s = &mut config.supervisor;
     s.data_dir = resolve(base_dir, &s.data_dir, &["supervisor", "data_dir"])?;
     if let Some(socket) = &s.socket {
@@ -84,6 +86,43 @@ pub(super) fn validate_and_resolve(config: &mut Config, base_dir: &Path) -> Chec
     }
     for (index, hook) in config.hooks.iter().enumerate() {
         hook_config(&index.to_string(), hook)?;
+    }
+    Ok(())
+}
+
+/// Every duration within [`MAX_DURATION`], as a file's are at load: a config built in code
+/// gets the same bound, so `Duration::MAX` (meant as "never") cannot wrap to "already past" in
+/// the millisecond arithmetic of leases, graces and backoffs.
+fn durations(config: &Config) -> Checked {
+    let check = |d: Duration, path: &[&str]| -> Checked {
+        if d > MAX_DURATION {
+            return Err(Problem::at(
+                path,
+                format!(
+                    "too long (max 100 years): {}",
+                    humantime::format_duration(d)
+                ),
+            ));
+        }
+        Ok(())
+    };
+    check(config.supervisor.tick, &["supervisor", "tick"])?;
+    check(config.reaper.grace, &["reaper", "grace"])?;
+    check(config.reaper.kill_timeout, &["reaper", "kill_timeout"])?;
+    check(config.leases.claim_ttl, &["leases", "claim_ttl"])?;
+    check(config.leases.stale_after, &["leases", "stale_after"])?;
+    check(config.retries.backoff, &["retries", "backoff"])?;
+    check(config.retries.backoff_max, &["retries", "backoff_max"])?;
+    check(config.retention.finished, &["retention", "finished"])?;
+    check(config.control.idle_timeout, &["control", "idle_timeout"])?;
+    for (name, a) in &config.assignees {
+        if let Some(d) = a.max_runtime {
+            check(d, &["assignees", name, "max_runtime"])?;
+        }
+        check(a.retry_cooldown, &["assignees", name, "retry_cooldown"])?;
+    }
+    for (index, hook) in config.hooks.iter().enumerate() {
+        check(hook.timeout, &["hooks", &index.to_string(), "timeout"])?;
     }
     Ok(())
 }
