@@ -296,11 +296,13 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
 #[test]
 fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
     use std::time::Duration;
-    // More than the disk holds, in one write(2) (no tick's rotation can keep up with it, on
-    // however slow a machine): it writes until the disk is full, then waits for its gate.
+    // 600 KiB first (rotated as usual: a backup to give up later), then more than the disk
+    // holds, in one write(2) (no tick's rotation can keep up with it, on however slow a
+    // machine): it writes until the disk is full, then waits for its last gate.
     let mut sd = SmallDisk::start("log_max_bytes = 524288", "", |gates| {
         format!(
-            "dd if=/dev/zero bs=8M count=1 2>/dev/null; {}; echo after",
+            "head -c 614400 /dev/zero | tr '\\0' y; {}; dd if=/dev/zero bs=8M count=1 2>/dev/null; {}; echo after",
+            SmallDisk::gate(gates, "fill"),
             SmallDisk::gate(gates, "after")
         )
     });
@@ -308,6 +310,15 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
     let data = sd.data.clone();
     let log = data.join("logs").join(format!("{task}.log"));
     let backup = data.join("logs").join(format!("{task}.log.1"));
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || {
+            fs::metadata(&backup).is_ok_and(|m| m.len() == 524288)
+        }),
+        "the first 600 KiB were never rotated"
+    );
+    let first_rotation = runwarden::actors::spawn::log_generation(&log);
+    assert!(first_rotation.is_some());
+    sd.open("fill");
     let free = || {
         let st = nix::sys::statvfs::statvfs(&data).expect("statvfs");
         st.blocks_available() as u64 * st.fragment_size() as u64
@@ -337,6 +348,11 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
         fs::metadata(&backup).is_ok_and(|m| m.len() <= 524288),
         "a backup within the bound is in place"
     );
+    // A follower of the log learns from the new backup that it follows the first rotation,
+    // though that backup was given up to make room: it missed nothing in between.
+    let start =
+        runwarden::actors::spawn::backup_start(&log).expect("the new backup says where it starts");
+    assert_eq!(start.replaces, first_rotation, "{start:?}");
     let r =
         sd.c.call(r#"{"id":2,"op":"add_task","title":"room again"}"#);
     assert_eq!(r["ok"], true, "the board is writable again: {r}");

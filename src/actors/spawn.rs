@@ -780,6 +780,9 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
     let backup = backup_path(path);
     let fresh = rotation_path(path);
     let truncated = std::cell::Cell::new(false);
+    // The rotation the new backup follows, read before anything is deleted (a full disk gives
+    // up the old backup first): a follower of the log checks it to know it missed nothing.
+    let replaces = log_generation(path);
     // `keep`: how much of the log's tail goes to the backup.
     let rotate = |keep: u64| -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
@@ -799,7 +802,7 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(&fresh)?;
         std::io::copy(&mut src.take(keep), &mut dst)?;
-        set_backup_start(&dst, start, log_generation(path).as_deref());
+        set_backup_start(&dst, start, replaces.as_deref());
         open_regular(path, OpenOptions::new().write(true))?
             .0
             .set_len(0)?;
@@ -820,14 +823,13 @@ pub fn rotate_if_needed(path: &Path, max_bytes: u64) {
         // enough for the new one); failing that, the log is cut with nothing kept (an empty
         // backup, so that a reader following it still sees a rotation): its bound matters
         // more than its last lines. A log barely over its bound on a disk something else
-        // filled keeps its lines and its backup, and is rotated once there is room.
-        let _ = fs::remove_file(&fresh);
+        // filled keeps its lines and its backup, and is rotated once there is room. (Each
+        // attempt removes what a failed one left in `fresh` itself.)
         let _ = fs::remove_file(&backup);
         result = rotate(max_bytes);
         if result.is_ok() {
             tracing::warn!(path = %path.display(), "log rotation: the disk is full and this log is far over its bound; its old backup was deleted to make room for the new one");
         } else if !truncated.get() {
-            let _ = fs::remove_file(&fresh);
             result = rotate(0);
             if result.is_ok() || truncated.get() {
                 tracing::warn!(path = %path.display(), "log rotation: the disk is full and this log is far over its bound; its old backup was deleted and the log cut with no backup kept");
