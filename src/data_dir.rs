@@ -160,7 +160,7 @@ fn socket_in(config: &Config, dir: &Path) -> bool {
 /// made `/var/lib` 0700): its mode is left as it is — unless others may write in it (a log or
 /// a task's directory could be swapped for a link), which refuses the start. A shared
 /// directory (sticky and writable by all, like `/tmp`) is named as such.
-pub(crate) fn is_ours(config: &Config) -> Result<bool, SupervisorError> {
+fn is_ours(config: &Config) -> Result<bool, SupervisorError> {
     let dir = &config.supervisor.data_dir;
     let Ok(meta) = std::fs::metadata(dir) else {
         return Ok(true); // Not there yet (or in the way: create_dirs says so).
@@ -208,12 +208,9 @@ fn holds_only_what_a_supervisor_keeps(config: &Config) -> bool {
         "work",
     ];
     let dir = &config.supervisor.data_dir;
-    let socket = config.socket_path();
     // The socket's own entry, however its path is spelled (through a link, with `..`).
-    let socket_here = socket
-        .parent()
-        .is_some_and(|p| same_file(p, dir))
-        .then(|| socket.file_name().map(|n| n.to_os_string()))
+    let socket_here = socket_in(config, dir)
+        .then(|| config.socket_path().file_name().map(|n| n.to_os_string()))
         .flatten();
     let Ok(entries) = std::fs::read_dir(dir) else {
         return false;
@@ -240,13 +237,13 @@ fn holds_only_what_a_supervisor_keeps(config: &Config) -> bool {
 
 /// The mode of `dir` when it belongs to the supervisor's user (else `None`: not its to
 /// change).
-pub(crate) fn owned_mode(dir: &Path) -> Option<u32> {
+fn owned_mode(dir: &Path) -> Option<u32> {
     let meta = std::fs::metadata(dir).ok()?;
     (meta.uid() == nix::unistd::geteuid().as_raw()).then_some(meta.mode() & 0o7777)
 }
 
 /// Whether `a` and `b` name the same file (however their paths are spelled).
-pub(crate) fn same_file(a: &Path, b: &Path) -> bool {
+fn same_file(a: &Path, b: &Path) -> bool {
     match (std::fs::metadata(a), std::fs::metadata(b)) {
         (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
         _ => false,

@@ -434,6 +434,9 @@ fn wait_exit_codes() {
         "{}",
         fs::read_to_string(&stdout).unwrap_or_default()
     );
+    // The same when it was archived before the wait began: it finished.
+    let text = ok(&d.cli(&["wait", &early.to_string()]));
+    assert!(text.contains(&format!("task {early}: done")), "{text}");
 
     // Not 1 either: no supervisor at all.
     let mut cmd = command();

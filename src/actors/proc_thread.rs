@@ -12,13 +12,11 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// Threads started here and not yet finished.
-static RUNNING: AtomicUsize = AtomicUsize::new(0);
-
-/// When each running thread started, and for what (by a serial number).
+/// When each thread started here and not yet finished started, and for what (by a serial
+/// number).
 static STARTED: Mutex<BTreeMap<u64, (Instant, &'static str)>> = Mutex::new(BTreeMap::new());
 static SERIAL: AtomicU64 = AtomicU64::new(0);
 
@@ -71,7 +69,6 @@ pub fn run<T: Send + 'static>(
     let (tx, rx) = tokio::sync::oneshot::channel();
     let now = Instant::now();
     say_if_stuck(now);
-    RUNNING.fetch_add(1, Ordering::Relaxed);
     let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
     STARTED
         .lock()
@@ -108,7 +105,6 @@ pub fn run<T: Send + 'static>(
 
 /// Counts a thread out, however it ended.
 fn forget(serial: u64) {
-    RUNNING.fetch_sub(1, Ordering::Relaxed);
     STARTED
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -123,7 +119,7 @@ pub fn spawn(what: &'static str, f: impl FnOnce() + Send + 'static) {
 
 /// How many of these threads run now (for tests and diagnostics).
 pub fn running() -> usize {
-    RUNNING.load(Ordering::Relaxed)
+    STARTED.lock().unwrap_or_else(|p| p.into_inner()).len()
 }
 
 #[cfg(test)]

@@ -50,9 +50,7 @@ impl StoreError {
             message: "the store is shutting down".into(),
         }
     }
-}
 
-impl StoreError {
     /// The op panicked while it was applied: nothing of it was written.
     pub(crate) fn panicked() -> Self {
         StoreError {
@@ -500,23 +498,30 @@ fn writer_loop(
                 // on — a dead writer would leave a supervisor that answers reads and can
                 // record nothing. Each op is applied again alone, so only the one that panics
                 // fails (ops may be applied more than once: see `StoreOp::apply`).
-                tracing::warn!(
-                    "store: the batch of the op that panicked is applied again op by op"
-                );
-                for (op, reply) in ops.iter().zip(replies) {
-                    match commit(&mut board, std::slice::from_ref(op), now) {
-                        Ok(Ok(committed)) => {
-                            watermark = answer(
-                                &mut board,
-                                &feed,
-                                watermark,
-                                counters,
-                                committed,
-                                vec![reply],
-                            );
+                if ops.len() == 1 {
+                    // Alone: nothing else to save, and a second try would panic again.
+                    for reply in replies {
+                        reply(Err(StoreError::panicked()));
+                    }
+                } else {
+                    tracing::warn!(
+                        "store: the batch of the op that panicked is applied again op by op"
+                    );
+                    for (op, reply) in ops.iter().zip(replies) {
+                        match commit(&mut board, std::slice::from_ref(op), now) {
+                            Ok(Ok(committed)) => {
+                                watermark = answer(
+                                    &mut board,
+                                    &feed,
+                                    watermark,
+                                    counters,
+                                    committed,
+                                    vec![reply],
+                                );
+                            }
+                            Ok(Err(e)) => reply(Err(StoreError::from(e))),
+                            Err(()) => reply(Err(StoreError::panicked())),
                         }
-                        Ok(Err(e)) => reply(Err(StoreError::from(e))),
-                        Err(()) => reply(Err(StoreError::panicked())),
                     }
                 }
             }

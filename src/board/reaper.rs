@@ -180,10 +180,10 @@ impl Tx<'_> {
         pids: &[process::Pid],
         sigkill: bool,
         now: Millis,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let task_id = match self.get_run(run_id) {
             Ok(run) => run.task_id,
-            Err(super::BoardError::NotFound { .. }) => return Ok(false),
+            Err(super::BoardError::NotFound { .. }) => return Ok(()),
             Err(e) => return Err(e),
         };
         let how = if sigkill { "sigkill" } else { "sigterm" };
@@ -194,7 +194,7 @@ impl Tx<'_> {
             json!({ "pids": pids, "ended_by": how }),
             now,
         )?;
-        Ok(true)
+        Ok(())
     }
 }
 

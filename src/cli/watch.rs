@@ -704,9 +704,14 @@ fn wait_on(
     for &id in &args.ids {
         match client.show_task(id, Some(0)) {
             Ok(detail) => {
+                // Archived after it was completed: it finished (the row keeps `completed_at`),
+                // whether or not this wait saw it done first.
+                let now = match detail.task.status {
+                    TaskStatus::Archived if detail.task.completed_at.is_some() => TaskStatus::Done,
+                    status => status,
+                };
                 let was = state.get(&id).copied();
-                let now = was.map_or(detail.task.status, |w| after_done(w, detail.task.status));
-                state.insert(id, now)
+                state.insert(id, was.map_or(now, |w| after_done(w, now)))
             }
             // Seen finished on an earlier connection and pruned by retention since (while the
             // supervisor restarted): it finished as seen.

@@ -267,7 +267,7 @@ impl Modes {
     /// socket. Other users to serve — `allowed_uids`, and assignees' users, whose workers
     /// report here — make the socket 0666 (and such a directory 0711: traversable, not
     /// listable), and the peer-uid check (`SO_PEERCRED`) is what refuses everyone else. The
-    /// data dir's mode, the socket's directory by default, is `data_dir::create_dirs`'s.
+    /// data dir's mode, the socket's directory by default, is `data_dir::set_modes`'s.
     fn for_config(config: &Config) -> Modes {
         let me = nix::unistd::geteuid().as_raw();
         let others = !config.control.allowed_uids.is_empty()
