@@ -214,7 +214,9 @@ impl Store {
     /// Forwards every event committed from now on, in id order, to `on_event` (which returns
     /// false once its receiver is gone), and the count of events missed to `on_lag` when a
     /// slow subscriber fell more than the channel's capacity behind. Runs until the feed
-    /// closes or `on_event` says stop.
+    /// closes or `on_event` says stop. Call it inside the supervisor's actix system (an
+    /// actor's context: it spawns a local task there); from any other thread, use
+    /// [`Store::subscribe`] and receive from the feed.
     pub fn forward_events(
         &self,
         on_event: impl FnMut(Arc<Event>) -> bool + 'static,

@@ -378,11 +378,11 @@ fn say_hello(session: &mut Session, id: RequestId, version: &str) -> Response {
                 result: serde_json::to_value(reply).unwrap_or_default(),
             }
         }
-        Some(major) => Response::error(
+        Some(_) => Response::error(
             Some(id),
             code::UNSUPPORTED_VERSION,
             format!(
-                "protocol version {version} (major {major}) is not supported; this server speaks {PROTOCOL_VERSION}"
+                "protocol version {version} is not supported; this server speaks {PROTOCOL_VERSION}"
             ),
         ),
         None => Response::error(

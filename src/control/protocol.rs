@@ -625,7 +625,8 @@ pub fn major_version(version: &str) -> Option<u64> {
     if !number(major) || !number(minor) {
         return None;
     }
-    major.parse().ok()
+    // Too large for a u64 is still a well-formed version, just not one served here.
+    Some(major.parse().unwrap_or(u64::MAX))
 }
 
 /// `hello` succeeded.
@@ -937,5 +938,7 @@ mod tests {
             assert_eq!(major_version(bad), None, "{bad:?}");
         }
         assert_eq!(major_version("x.1"), None);
+        // Well formed, however large: another major (answered unsupported_version).
+        assert_eq!(major_version("99999999999999999999.0"), Some(u64::MAX));
     }
 }
