@@ -10,11 +10,24 @@ use crate::supervisor::SupervisorError;
 /// Creates the data dir and its `logs/` and `work/` where they are missing — a new one 0700
 /// (`work/` 0711), so nothing of it is ever open to others, even for a start that fails next
 /// — and refuses one that is shared ([`is_ours`]) or not a directory. Changes no mode of a
-/// directory that exists: that is [`set_modes`]'s, once the lock is held, so a start refused
-/// by a running supervisor's lock never narrows what that supervisor's users need. Returns
+/// directory that exists but to take others' write access from the supervisor's own data dir
+/// (as every start does): the rest is [`set_modes`]'s, once the lock is held, so a start
+/// refused by a running supervisor's lock never narrows what that supervisor's users need. Returns
 /// whether the data dir is the supervisor's alone.
 pub(crate) fn create_dirs(config: &Config) -> Result<bool, SupervisorError> {
     let data_dir_is_ours = is_ours(config)?;
+    // Others' write access goes even before the lock (every start's `set_modes` takes it away,
+    // so a refused start harms no running supervisor): until then the lock file could be
+    // swapped for something else.
+    if data_dir_is_ours
+        && let Some(current) = owned_mode(&config.supervisor.data_dir)
+        && current & 0o022 != 0
+    {
+        let _ = std::fs::set_permissions(
+            &config.supervisor.data_dir,
+            std::fs::Permissions::from_mode(current & !0o022),
+        );
+    }
     for (dir, mode) in [
         (&config.supervisor.data_dir, 0o700),
         (&config.logs_dir(), 0o700),
@@ -105,7 +118,7 @@ pub(crate) fn set_modes(config: &Config, data_dir_is_ours: bool) -> Result<(), S
             } else {
                 0
             };
-            match (data_dir_is_ours, socket_in(config, &dir)) {
+            match (data_dir_is_ours, socket_entry(config).is_some()) {
                 (true, true) => 0o700 | traversal,
                 (true, false) => (current & !0o022) | traversal,
                 (false, _) => current | traversal,
@@ -140,17 +153,21 @@ fn others_need_through(config: &Config) -> bool {
         .assignees
         .values()
         .any(|a| a.uid.is_some_and(|u| u != me));
-    let others_served =
-        !config.control.allowed_uids.is_empty() && socket_in(config, &config.supervisor.data_dir);
+    let others_served = !config.control.allowed_uids.is_empty() && socket_entry(config).is_some();
     others_work || others_served
 }
 
-/// Whether the control socket is in `dir` (however either path is spelled).
-fn socket_in(config: &Config, dir: &Path) -> bool {
-    config
-        .socket_path()
-        .parent()
-        .is_some_and(|p| same_file(p, dir))
+/// The data dir's entry the control socket is under — the socket itself, or a directory of
+/// its path (`data_dir/sock/control.sock`) — however either path is spelled (through a link,
+/// with `..`); `None` when it is elsewhere.
+fn socket_entry(config: &Config) -> Option<std::ffi::OsString> {
+    let dir = &config.supervisor.data_dir;
+    let socket = config.socket_path();
+    socket
+        .ancestors()
+        .find(|a| a.parent().is_some_and(|p| same_file(p, dir)))
+        .and_then(|a| a.file_name())
+        .map(|n| n.to_os_string())
 }
 
 /// Whether the data dir may have its mode set by the supervisor (0700, or 0711 when it serves
@@ -208,10 +225,7 @@ fn holds_only_what_a_supervisor_keeps(config: &Config) -> bool {
         "work",
     ];
     let dir = &config.supervisor.data_dir;
-    // The socket's own entry, however its path is spelled (through a link, with `..`).
-    let socket_here = socket_in(config, dir)
-        .then(|| config.socket_path().file_name().map(|n| n.to_os_string()))
-        .flatten();
+    let socket_here = socket_entry(config);
     let Ok(entries) = std::fs::read_dir(dir) else {
         return false;
     };

@@ -8,6 +8,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{FlockOperation, flock};
@@ -52,11 +53,13 @@ impl LockFile {
             source,
         };
         for _ in 0..MAX_TRIES {
+            // Not through a link put in its place: the pid would be written wherever it points.
             let mut file = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
                 .truncate(false)
+                .custom_flags(libc::O_NOFOLLOW)
                 .open(path)
                 .map_err(io)?;
             match flock(file.as_fd(), FlockOperation::NonBlockingLockExclusive) {

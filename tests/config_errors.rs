@@ -707,7 +707,7 @@ fn a_resource_limit_no_worker_could_be_given_is_refused_at_start() {
 fn a_duration_too_long_in_a_config_built_in_code_is_refused_naming_its_key() {
     use std::time::Duration;
     type Set = fn(&mut Config);
-    let cases: [(&str, Set); 6] = [
+    let cases: [(&str, Set); 12] = [
         ("[leases] stale_after", |c| {
             c.leases.stale_after = Duration::MAX
         }),
@@ -723,6 +723,26 @@ fn a_duration_too_long_in_a_config_built_in_code_is_refused_naming_its_key() {
             c.assignees.get_mut("coder").unwrap().max_runtime = Some(Duration::MAX)
         }),
         ("[leases] claim_ttl", |c| c.leases.claim_ttl = Duration::MAX),
+        ("[supervisor] tick", |c| c.supervisor.tick = Duration::MAX),
+        ("[reaper] kill_timeout", |c| {
+            c.reaper.kill_timeout = Duration::MAX
+        }),
+        ("[retries] backoff_max", |c| {
+            c.retries.backoff_max = Duration::MAX
+        }),
+        ("[retention] finished", |c| {
+            c.retention.finished = Duration::MAX
+        }),
+        ("[control] idle_timeout", |c| {
+            c.control.idle_timeout = Duration::MAX
+        }),
+        ("[[hooks]] #1 timeout", |c| {
+            c.hooks.push(HookConfig {
+                on: vec!["completed".into()],
+                command: vec!["true".into()],
+                timeout: Duration::MAX,
+            })
+        }),
     ];
     for (key, set) in cases {
         let mut config = Config::with_data_dir("/tmp/runwarden-never-created");

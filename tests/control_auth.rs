@@ -536,3 +536,22 @@ fn a_start_refused_by_the_lock_leaves_the_running_supervisors_modes_alone() {
         "the refused start changed the data dir"
     );
 }
+
+/// A socket in a directory of its own inside the data dir still gets the traversal
+/// `allowed_uids` need, through the data dir too (a fresh data dir is 0700).
+#[test]
+fn a_socket_in_a_subdirectory_of_the_data_dir_is_reachable_for_allowed_uids() {
+    let d = Daemon::start(
+        "socket = \"data/sock/control.sock\"",
+        &format!("[control]\nallowed_uids = [{NOBODY}]\n"),
+    );
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(d.socket, d.data_dir.join("sock").join("control.sock"));
+    assert_eq!(mode(&d.data_dir), 0o711, "the data dir");
+    assert_eq!(
+        mode(&d.data_dir.join("sock")),
+        0o711,
+        "the socket's directory"
+    );
+    assert_eq!(mode(&d.socket), 0o666);
+}

@@ -174,7 +174,8 @@ pub enum Command {
     Heartbeat(worker::HeartbeatArgs),
     /// Show the supervisor's state: pid, uptime, live workers, tasks per status.
     Status,
-    /// Wait for tasks: exit 0 once all are done, 1 as soon as one ends blocked or archived,
+    /// Wait for tasks: exit 0 once all are done (one archived after it completed counts as
+    /// done, also in --json), 1 as soon as one ends blocked or archived without completing,
     /// 124 on timeout, 3 if no supervisor is running or it went away and did not come back (a
     /// restart is ridden out), 2 for a task that does not exist.
     Wait(watch::WaitArgs),

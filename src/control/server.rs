@@ -298,7 +298,7 @@ fn bind(socket: &Path, modes: Modes) -> Result<std::os::unix::net::UnixListener,
     let created = !dir.exists();
     std::fs::create_dir_all(dir).map_err(io_err("create directory", dir))?;
     // A directory made for the socket is 0700, so other users cannot even reach it. One that
-    // was there is left as it is: the data dir's mode was set with the others (`create_dirs`),
+    // was there is left as it is: the data dir's mode was set with the others (`set_modes`),
     // and a directory the admin chose (e.g. /run) is theirs; the socket's own mode and the
     // peer-uid check still apply.
     if created {
