@@ -178,9 +178,14 @@ const RECENT_PROBE_LIMIT: usize = 128;
 /// while the pids are walked (a double fork, a process that keeps moving to a new pid): the
 /// walk goes on over the pids handed out meanwhile until none was.
 pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
+    carrier_among_since(leader, &needle(token))
+}
+
+/// [`carrier_among_recent`] for a needle (a run's token, or a hook token): whether a carrier
+/// is among the pids handed out after `since`.
+fn carrier_among_since(leader: Pid, needle: &[u8]) -> Option<bool> {
     /// Where the numbering restarts after a wrap (the kernel's RESERVED_PIDS).
     const FIRST_AFTER_WRAP: Pid = 300;
-    let needle = needle(token);
     let mut last = last_pid()?;
     // Read when the walk must wrap to reach `last`.
     let mut max: Option<Pid> = None;
@@ -212,13 +217,13 @@ pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
                 Kin::Gone | Kin::SharesOurMemory => {}
                 // Unreadable: nothing told about this pid; the caller scans instead.
                 Kin::Other => {
-                    if carries(pid, &needle)? {
+                    if carries(pid, needle)? {
                         return Some(true);
                     }
                 }
                 Kin::Unknown => match super::PidFd::open(pid) {
                     Ok(_) => {
-                        if carries(pid, &needle)? {
+                        if carries(pid, needle)? {
                             return Some(true);
                         }
                     }
@@ -635,12 +640,32 @@ fn end_carriers(
     let mut last: Vec<super::PidFd> = Vec::new();
     let mut last_count = 0;
     loop {
+        let since = last_pid();
         let found: Vec<super::PidFd> = pidfds_by_needle(needle)?
             .into_iter()
             .filter(|fd| !known(fd, &carriers) && !known(fd, &late) && !known(fd, &last))
             .collect();
         let Some(first) = found.first() else {
-            break;
+            // A look that finds nothing proves the tree gone only if no carrier was started
+            // while it ran: a process forking away from its pid can put its child where the
+            // scan had already passed (and exit before its own turn came). The pids handed
+            // out meanwhile are looked at one by one (until none more was).
+            match since.map(|since| carrier_among_since(since, needle)) {
+                // ns_last_pid unreadable: the look is all there is.
+                None | Some(Some(false)) => break,
+                // A carrier was started behind the scan, or that cannot be told (too many
+                // pids handed out): look again, as for one found.
+                Some(_) if Instant::now() < after_kill => continue,
+                Some(_) => {
+                    return Err(super::ProcessError::System {
+                        what: "prove a run's processes gone",
+                        source: std::io::Error::other(format!(
+                            "processes carrying its token kept appearing for {:?}",
+                            super::AFTER_SIGKILL
+                        )),
+                    });
+                }
+            }
         };
         for fd in &found {
             signal_straggler(fd, super::Signal::SIGKILL);
