@@ -396,3 +396,55 @@ fn end_token_carriers_outlasts_a_carrier_that_keeps_forking_away_from_its_pid() 
         "ended {ended:?} with carriers left: {left:?}"
     );
 }
+
+/// A host busy starting processes (four threads spawning `true` without pause) while a run's
+/// carriers are ended: the pids handed out during the last look are many, and all of them are
+/// looked at — the end succeeds, and the carrier is gone.
+#[test]
+fn end_token_carriers_succeeds_on_a_host_busy_starting_processes() {
+    use runwarden::process::descendants::end_token_carriers;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let token = format!("{:032x}", rand::random::<u128>());
+    let carrier = ChildGuard::spawn(
+        Command::new("sleep")
+            .arg("300")
+            .env("RUNWARDEN_RUN_TOKEN", &token)
+            .stdin(Stdio::null())
+            .process_group(0),
+    )
+    .unwrap();
+    let busy = Arc::new(AtomicBool::new(true));
+    let spawners: Vec<_> = (0..4)
+        .map(|_| {
+            let busy = busy.clone();
+            std::thread::spawn(move || {
+                let mut started = 0u32;
+                while busy.load(Ordering::Relaxed) {
+                    if let Ok(mut child) = ChildGuard::spawn(
+                        Command::new("true")
+                            .stdin(Stdio::null())
+                            .stdout(Stdio::null()),
+                    ) {
+                        let _ = child.0.wait();
+                        started += 1;
+                    }
+                }
+                started
+            })
+        })
+        .collect();
+    let ended = end_token_carriers(&token, Duration::from_millis(200));
+    busy.store(false, Ordering::Relaxed);
+    let started: u32 = spawners.into_iter().map(|t| t.join().unwrap()).sum();
+    assert!(started > 0, "the host was not busy");
+    assert!(
+        ended.as_ref().is_ok_and(|e| e.count == 1),
+        "{ended:?} ({started} processes started meanwhile)"
+    );
+    assert!(
+        carrier.pidfd().wait_exit(SETTLE).unwrap_or(false),
+        "the carrier outlived its end"
+    );
+}

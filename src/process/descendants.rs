@@ -128,8 +128,11 @@ fn carries_now(pid: Pid, needle: &[u8]) -> Env {
     };
     match read_environ(pid) {
         Ok(env) if env.is_empty() => {
-            let kernel = super::read_stat(pid).map_or(true, |s| s.is_kernel_thread());
-            if kernel { Env::Not } else { Env::MidExec }
+            // A kernel thread has no environment; a zombie has none left (and can fork no
+            // more). Anything else is caught in the middle of an exec.
+            let none =
+                super::read_stat(pid).map_or(true, |s| s.is_kernel_thread() || s.is_zombie());
+            if none { Env::Not } else { Env::MidExec }
         }
         Ok(env) if env.split(|&b| b == 0).any(|var| var == needle) => Env::Carries,
         Ok(_) => Env::Not,
@@ -178,12 +181,12 @@ const RECENT_PROBE_LIMIT: usize = 128;
 /// while the pids are walked (a double fork, a process that keeps moving to a new pid): the
 /// walk goes on over the pids handed out meanwhile until none was.
 pub fn carrier_among_recent(leader: Pid, token: &str) -> Option<bool> {
-    carrier_among_since(leader, &needle(token))
+    carrier_among_since(leader, &needle(token), RECENT_PROBE_LIMIT)
 }
 
 /// [`carrier_among_recent`] for a needle (a run's token, or a hook token): whether a carrier
-/// is among the pids handed out after `since`.
-fn carrier_among_since(leader: Pid, needle: &[u8]) -> Option<bool> {
+/// is among the pids handed out after `leader`, probing at most `limit` of them.
+fn carrier_among_since(leader: Pid, needle: &[u8], limit: usize) -> Option<bool> {
     /// Where the numbering restarts after a wrap (the kernel's RESERVED_PIDS).
     const FIRST_AFTER_WRAP: Pid = 300;
     let mut last = last_pid()?;
@@ -207,7 +210,7 @@ fn carrier_among_since(leader: Pid, needle: &[u8]) -> Option<bool> {
                 pid + 1
             };
             probed += 1;
-            if pid == leader || probed > RECENT_PROBE_LIMIT {
+            if pid == leader || probed > limit {
                 return None;
             }
             if super::owned::is_registered(pid) {
@@ -650,17 +653,24 @@ fn end_carriers(
             // while it ran: a process forking away from its pid can put its child where the
             // scan had already passed (and exit before its own turn came). The pids handed
             // out meanwhile are looked at one by one (until none more was).
-            match since.map(|since| carrier_among_since(since, needle)) {
+            // Every pid handed out since, however many a busy host handed out meanwhile (a
+            // pid is a syscall or two; a scan is the whole of /proc): only a full round of
+            // the numbering stops the walk.
+            match since.map(|since| carrier_among_since(since, needle, Pid::MAX as usize)) {
                 // ns_last_pid unreadable: the look is all there is.
                 None | Some(Some(false)) => break,
-                // A carrier was started behind the scan, or that cannot be told (too many
-                // pids handed out): look again, as for one found.
-                Some(_) if Instant::now() < after_kill => continue,
+                // A carrier was started behind the scan, or that cannot be told (an
+                // environment unreadable, the numbering gone round): look again, as for one
+                // found, after a moment.
+                Some(_) if Instant::now() < after_kill => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
                 Some(_) => {
                     return Err(super::ProcessError::System {
                         what: "prove a run's processes gone",
                         source: std::io::Error::other(format!(
-                            "processes carrying its token kept appearing for {:?}",
+                            "for {:?}, processes carrying its token kept being started, or the pids handed out meanwhile could not all be read",
                             super::AFTER_SIGKILL
                         )),
                     });
