@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::mpsc;
 
 use common::control_daemon::{
-    Daemon, SETTLE, bin, command, failed, has_connected_socket, ok, ok_json, run, stream,
+    Daemon, SETTLE, bin, command, exit_code, failed, ok, ok_json, run, spawn_connected, stream,
 };
 use common::proc_guard::ChildGuard;
 use common::proc_guard::wait_until;
@@ -416,7 +416,7 @@ fn wait_exit_codes() {
         "",
     )
     .unwrap();
-    assert_eq!(exit_of(&mut waiting), Some(124));
+    assert_eq!(exit_code(&mut waiting), Some(124));
     let j: Value = serde_json::from_str(&fs::read_to_string(&stdout).unwrap()).expect("JSON");
     assert_eq!(j["tasks"][0]["status"], "ready", "{j}");
 
@@ -429,7 +429,7 @@ fn wait_exit_codes() {
     ok(&d.cli(&["archive", &early.to_string()]));
     ok(&d.cli(&["complete", &later.to_string(), "--force"]));
     assert_eq!(
-        exit_of(&mut waiting),
+        exit_code(&mut waiting),
         Some(0),
         "{}",
         fs::read_to_string(&stdout).unwrap_or_default()
@@ -457,20 +457,7 @@ fn waiting_in_background(d: &Daemon, args: &[&str], stdout: &Path) -> ChildGuard
         .stdin(std::process::Stdio::null())
         .stdout(fs::File::create(stdout).unwrap())
         .stderr(std::process::Stdio::null());
-    let child = ChildGuard::spawn(&mut cmd).expect("spawn runwarden wait");
-    assert!(
-        wait_until(SETTLE, || has_connected_socket(child.pid())),
-        "wait never connected"
-    );
-    child
-}
-
-/// Its exit code, waited for within [`SETTLE`].
-fn exit_of(child: &mut ChildGuard) -> Option<i32> {
-    let exited = child.pidfd().wait_exit(SETTLE).unwrap_or(false);
-    exited
-        .then(|| child.0.wait().expect("wait").code())
-        .flatten()
+    spawn_connected(&mut cmd)
 }
 
 /// Lines from `rx` until one contains `needle` (or the bound passes).

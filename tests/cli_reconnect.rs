@@ -11,7 +11,7 @@ mod common;
 use std::fs;
 use std::process::{Command, Stdio};
 
-use common::control_daemon::{Daemon, command, has_connected_socket, ok, stream_of};
+use common::control_daemon::{Daemon, command, exit_code, ok, spawn_connected, stream_of};
 use common::proc_guard::{ChildGuard, wait_until};
 use common::runtime::SETTLE;
 
@@ -35,25 +35,17 @@ fn connected_cli(d: &Daemon, args: &[&str], stderr: &std::path::Path, wait: &str
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(fs::File::create(stderr).unwrap());
-    let child = ChildGuard::spawn(&mut cmd).expect("spawn runwarden");
-    assert!(
-        wait_until(SETTLE, || has_connected_socket(child.pid())),
-        "{args:?} never connected"
-    );
-    child
+    spawn_connected(&mut cmd)
 }
 
-fn exit_code(child: &mut ChildGuard) -> Option<i32> {
-    let mut code = None;
-    wait_until(SETTLE, || {
-        code = child
-            .try_wait()
-            .ok()
-            .flatten()
-            .map(|s| s.code().unwrap_or(-1));
-        code.is_some()
-    });
-    code
+/// Asserts that `child` exits with `code`, showing what it said on `stderr` if not.
+fn assert_exits(child: &mut ChildGuard, code: i32, stderr: &std::path::Path) {
+    assert_eq!(
+        exit_code(child),
+        Some(code),
+        "{}",
+        fs::read_to_string(stderr).unwrap_or_default()
+    );
 }
 
 #[test]
@@ -87,12 +79,7 @@ fn wait_and_follow_go_on_across_a_supervisor_restart() {
         "the follower did not go on after the restart: {seen:?}"
     );
     ok(&d.cli(&["complete", &task, "--force"]));
-    assert_eq!(
-        exit_code(&mut waiting),
-        Some(0),
-        "wait: {}",
-        fs::read_to_string(&wait_err).unwrap_or_default()
-    );
+    assert_exits(&mut waiting, 0, &wait_err);
     let said = fs::read_to_string(&wait_err).unwrap();
     assert!(said.contains("lost the supervisor"), "{said}");
     // Not one event twice, none out of order.
@@ -108,12 +95,7 @@ fn a_wait_whose_supervisor_does_not_come_back_exits_3() {
     let wait_err = d.dir.path().join("wait.stderr");
     let mut waiting = connected_cli(&d, &["wait", &task], &wait_err, "1s");
     d.stop();
-    assert_eq!(
-        exit_code(&mut waiting),
-        Some(3),
-        "wait: {}",
-        fs::read_to_string(&wait_err).unwrap_or_default()
-    );
+    assert_exits(&mut waiting, 3, &wait_err);
     let said = fs::read_to_string(&wait_err).unwrap();
     assert!(
         said.contains("lost the supervisor") && said.contains("could not reach it again"),
@@ -125,12 +107,7 @@ fn a_wait_whose_supervisor_does_not_come_back_exits_3() {
     let err = d.dir.path().join("wait2.stderr");
     let mut timed = connected_cli(&d, &["wait", &task, "--timeout", "1s"], &err, "30s");
     d.stop();
-    assert_eq!(
-        exit_code(&mut timed),
-        Some(124),
-        "{}",
-        fs::read_to_string(&err).unwrap_or_default()
-    );
+    assert_exits(&mut timed, 124, &err);
 }
 
 #[test]
@@ -196,12 +173,7 @@ fn wait_and_follow_whose_first_hello_meets_a_stopping_supervisor_ride_it_out() {
         follower.try_wait().ok().flatten()
     );
     ok(&d.cli(&["complete", &task, "--force"]));
-    assert_eq!(
-        exit_code(&mut waiting),
-        Some(0),
-        "wait: {}",
-        fs::read_to_string(&wait_err).unwrap_or_default()
-    );
+    assert_exits(&mut waiting, 0, &wait_err);
     d.assert_healthy();
 }
 
@@ -222,11 +194,6 @@ fn a_task_seen_done_and_pruned_across_a_restart_stays_done_for_wait() {
     );
     d.restart();
     ok(&d.cli(&["complete", &second, "--force"]));
-    assert_eq!(
-        exit_code(&mut waiting),
-        Some(0),
-        "wait: {}",
-        fs::read_to_string(&wait_err).unwrap_or_default()
-    );
+    assert_exits(&mut waiting, 0, &wait_err);
     d.assert_healthy();
 }

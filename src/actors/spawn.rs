@@ -204,18 +204,11 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     let found = if forks_anyway {
         None
     } else {
-        // The PATH the worker gets: the assignee's, else the one set below, else ours as it is
-        // now (the child gets the current environment).
-        let inherited;
-        let worker_path = match (spec.env.get("PATH"), own_path) {
-            (Some(p), _) => Some(std::ffi::OsStr::new(p)),
-            (None, Some(p)) => Some(p),
-            (None, None) => {
-                inherited = std::env::var_os("PATH");
-                inherited.as_deref()
-            }
-        };
-        find_in_path(program, worker_path, &spec.cwd)
+        find_in_path(
+            program,
+            workers_path(spec.env.get("PATH")).as_deref(),
+            &spec.cwd,
+        )
     };
     // The working directory and the user are named: a worker whose user cannot reach its
     // cwd fails with a bare EACCES that otherwise reads like `program` is the problem.
@@ -643,18 +636,13 @@ pub fn program_missing(assignee: &crate::config::AssigneeConfig) -> Option<Strin
         return (path.is_absolute() && !runnable)
             .then(|| format!("{program} is not an executable file"));
     }
-    let inherited = std::env::var_os("PATH");
-    let path = match (assignee.env.get("PATH"), path_with_own_binary()) {
-        (Some(p), _) => std::ffi::OsString::from(p),
-        (None, Some(p)) => p.to_os_string(),
-        (None, None) => inherited.unwrap_or_else(|| "/bin:/usr/bin".into()),
-    };
-    let judged =
-        std::env::join_paths(std::env::split_paths(&path).filter(|d| d.is_absolute())).ok()?;
-    if judged.len() != path.len() {
+    let path = workers_path(assignee.env.get("PATH")).unwrap_or(std::borrow::Cow::Borrowed(
+        std::ffi::OsStr::new("/bin:/usr/bin"),
+    ));
+    if std::env::split_paths(&path).any(|d| !d.is_absolute()) {
         return None; // Relative entries: resolved in a task's work dir, not known yet.
     }
-    find_in_path(program, Some(&judged), Path::new("/"))
+    find_in_path(program, Some(&path), Path::new("/"))
         .is_none()
         .then(|| {
             format!(
@@ -967,6 +955,18 @@ pub fn log_tail(path: &Path, from: u64, n: u64) -> String {
     let mut buf = Vec::new();
     let _ = f.take(n).read_to_end(&mut buf);
     String::from_utf8_lossy(&buf).trim().to_string()
+}
+
+/// The PATH a worker gets: its assignee's (`env`), else ours with this binary's directory
+/// first (see [`path_with_own_binary`]), else ours as it is (`None`: unset). Its spawn looks a
+/// bare program name up in it, and so does the check at start ([`program_missing`]).
+fn workers_path(assignee_path: Option<&String>) -> Option<std::borrow::Cow<'_, std::ffi::OsStr>> {
+    use std::borrow::Cow;
+    match (assignee_path, path_with_own_binary()) {
+        (Some(p), _) => Some(Cow::Borrowed(std::ffi::OsStr::new(p.as_str()))),
+        (None, Some(p)) => Some(Cow::Borrowed(p)),
+        (None, None) => std::env::var_os("PATH").map(Cow::Owned),
+    }
 }
 
 /// PATH with the directory of the running `runwarden` binary first, so `runwarden complete`

@@ -458,3 +458,20 @@ pub fn has_connected_socket(pid: i32) -> bool {
         cols.len() > 6 && cols[5] == "03" && inodes.iter().any(|i| i == cols[6])
     })
 }
+
+/// Spawns `cmd` (a `runwarden` that follows the supervisor: `wait`, `events --follow`) and
+/// returns it once it holds a connection to a supervisor.
+pub fn spawn_connected(cmd: &mut Command) -> ChildGuard {
+    let child = ChildGuard::spawn(cmd).expect("spawn runwarden");
+    assert!(
+        crate::common::proc_guard::wait_until(SETTLE, || has_connected_socket(child.pid())),
+        "{cmd:?} never connected"
+    );
+    child
+}
+
+/// The exit code of `child`, waited for within [`SETTLE`] (-1 for a death by a signal).
+pub fn exit_code(child: &mut ChildGuard) -> Option<i32> {
+    let exited = child.pidfd().wait_exit(SETTLE).unwrap_or(false);
+    exited.then(|| child.0.wait().expect("wait").code().unwrap_or(-1))
+}
