@@ -888,112 +888,118 @@ impl Handler<StopDispatching> for DispatcherActor {
             return Box::pin(async {}.into_actor(self));
         }
         let kill = self.config.reaper.kill_timeout;
-        if !msg.terminate {
-            // The workers are left running, but what their actors are in the middle of — an
-            // exit seen and not recorded yet, a spawn's evidence, a tree end — is let finish
-            // while the store still takes writes (the caller closes it next), within
-            // `kill_timeout` + 2 s: an exit the supervisor saw must not be left for the next
-            // one to find "exited while unsupervised" and count as a failure.
-            let addrs: Vec<_> = self.workers.values().map(|w| w.addr.clone()).collect();
-            let deadline = tokio::time::Instant::from_std(crate::deadline_after(
-                kill.saturating_add(Duration::from_secs(2)),
-            ));
-            return Box::pin(
-                async move {
-                    loop {
-                        let round = futures::future::join_all(
-                            addrs.iter().map(|a| a.send(super::worker::Unsettled)),
-                        );
-                        let unsettled = match tokio::time::timeout_at(deadline, round).await {
-                            // A stopped actor (its exit recorded and done) answers nothing.
-                            Ok(answers) => answers.into_iter().any(|a| a.unwrap_or(false)),
-                            Err(_) => true,
-                        };
-                        if !unsettled || tokio::time::Instant::now() >= deadline {
-                            if unsettled {
-                                tracing::warn!("stopping with a worker's exit or evidence not yet recorded; the next supervisor's reconcile closes its run");
-                            }
-                            return;
-                        }
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                }
-                .into_actor(self),
-            );
-        }
-        let runs: Vec<(RunId, TaskId)> =
-            self.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
-        let addrs: Vec<_> = self
+        let addrs: Vec<(RunId, Addr<WorkerActor>)> = self
             .workers
             .iter()
             .map(|(r, w)| (*r, w.addr.clone()))
             .collect();
-        let store = self.store.clone();
-        Box::pin(
-            async move {
-                // Release first: a worker ended by our shutdown is not the task's failure.
-                // A worker whose run it closed itself (in its grace) outlived its run: its
-                // end is recorded as the terminal reap it is, only sooner.
-                // Each run on its own: one that cannot be read or released is said and
-                // skipped, never a reason to release none (every worker would then be ended
-                // with its run open, and counted a crash).
-                let released = store
-                    .with_tx(move |tx, now| {
-                        let mut closed_by_worker = Vec::new();
-                        let mut failed = Vec::new();
-                        for &(run_id, task_id) in &runs {
-                            let one = tx.nested(|tx| {
-                                let run = tx.get_run(run_id)?;
-                                if run.outcome.is_some_and(|o| o.closed_by_its_worker()) {
-                                    return Ok(true);
-                                }
-                                if tx.get_task(task_id)?.current_run_id == Some(run_id) {
-                                    tx.reclaim_task(task_id, "supervisor shutdown", now)?;
-                                }
-                                Ok(false)
-                            });
-                            match one {
-                                Ok(true) => closed_by_worker.push(run_id),
-                                Ok(false) | Err(board::BoardError::NotFound { .. }) => {}
-                                Err(e) => failed.push((run_id, e.to_string())),
-                            }
-                        }
-                        Ok((closed_by_worker, failed))
-                    })
-                    .await;
-                let closed_by_worker = match released {
-                    Ok((closed_by_worker, failed)) => {
-                        for (run_id, error) in failed {
-                            tracing::warn!(run_id, %error, "shutdown: cannot release the run; its worker is ended with it open (the next start closes it)");
-                        }
-                        closed_by_worker
+        if msg.terminate {
+            let runs: Vec<(RunId, TaskId)> =
+                self.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
+            Box::pin(release_and_end(self.store.clone(), runs, addrs, kill).into_actor(self))
+        } else {
+            Box::pin(settle(addrs, stop_bound(kill)).into_actor(self))
+        }
+    }
+}
+
+/// How long a stop waits for its workers' actors: `kill_timeout` and 2 s more, from now.
+fn stop_bound(kill: Duration) -> tokio::time::Instant {
+    tokio::time::Instant::from_std(crate::deadline_after(
+        kill.saturating_add(Duration::from_secs(2)),
+    ))
+}
+
+/// A `leave` stop: the workers are left running, but what their actors are in the middle of
+/// — an exit seen and not recorded yet, a spawn's evidence, a tree end — is let finish while
+/// the store still takes writes (the caller closes it next), until `deadline`: an exit the
+/// supervisor saw must not be left for the next one to find "exited while unsupervised" and
+/// count as a failure.
+async fn settle(addrs: Vec<(RunId, Addr<WorkerActor>)>, deadline: tokio::time::Instant) {
+    loop {
+        let round =
+            futures::future::join_all(addrs.iter().map(|(_, a)| a.send(super::worker::Unsettled)));
+        let unsettled = match tokio::time::timeout_at(deadline, round).await {
+            // A stopped actor (its exit recorded and done) answers nothing.
+            Ok(answers) => answers.into_iter().any(|a| a.unwrap_or(false)),
+            Err(_) => true,
+        };
+        if !unsettled || tokio::time::Instant::now() >= deadline {
+            if unsettled {
+                tracing::warn!(
+                    "stopping with a worker's exit or evidence not yet recorded; the next supervisor's reconcile closes its run"
+                );
+            }
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A `terminate` stop: the runs are released first (a worker ended by our shutdown is not the
+/// task's failure), then every worker is ended, and the stop waits for their actors until
+/// `kill_timeout` + 2 s after they were sent their SIGTERM.
+async fn release_and_end(
+    store: Store,
+    runs: Vec<(RunId, TaskId)>,
+    addrs: Vec<(RunId, Addr<WorkerActor>)>,
+    kill: Duration,
+) {
+    // Release first: a worker ended by our shutdown is not the task's failure.
+    // A worker whose run it closed itself (in its grace) outlived its run: its
+    // end is recorded as the terminal reap it is, only sooner.
+    // Each run on its own: one that cannot be read or released is said and
+    // skipped, never a reason to release none (every worker would then be ended
+    // with its run open, and counted a crash).
+    let released = store
+        .with_tx(move |tx, now| {
+            let mut closed_by_worker = Vec::new();
+            let mut failed = Vec::new();
+            for &(run_id, task_id) in &runs {
+                let one = tx.nested(|tx| {
+                    let run = tx.get_run(run_id)?;
+                    if run.outcome.is_some_and(|o| o.closed_by_its_worker()) {
+                        return Ok(true);
                     }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "shutdown: cannot release the runs; their workers are ended with them open (the next start closes them)");
-                        Vec::new()
+                    if tx.get_task(task_id)?.current_run_id == Some(run_id) {
+                        tx.reclaim_task(task_id, "supervisor shutdown", now)?;
                     }
-                };
-                for (run_id, a) in &addrs {
-                    let reason = if closed_by_worker.contains(run_id) {
-                        TerminateReason::TerminalReap
-                    } else {
-                        TerminateReason::Shutdown
-                    };
-                    a.do_send(Terminate {
-                        kill_after: kill,
-                        reason,
-                    });
-                }
-                let deadline = tokio::time::Instant::from_std(crate::deadline_after(
-                    kill.saturating_add(Duration::from_secs(2)),
-                ));
-                while addrs.iter().any(|(_, a)| a.connected())
-                    && tokio::time::Instant::now() < deadline
-                {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    Ok(false)
+                });
+                match one {
+                    Ok(true) => closed_by_worker.push(run_id),
+                    Ok(false) | Err(board::BoardError::NotFound { .. }) => {}
+                    Err(e) => failed.push((run_id, e.to_string())),
                 }
             }
-            .into_actor(self),
-        )
+            Ok((closed_by_worker, failed))
+        })
+        .await;
+    let closed_by_worker = match released {
+        Ok((closed_by_worker, failed)) => {
+            for (run_id, error) in failed {
+                tracing::warn!(run_id, %error, "shutdown: cannot release the run; its worker is ended with it open (the next start closes it)");
+            }
+            closed_by_worker
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "shutdown: cannot release the runs; their workers are ended with them open (the next start closes them)");
+            Vec::new()
+        }
+    };
+    for (run_id, a) in &addrs {
+        let reason = if closed_by_worker.contains(run_id) {
+            TerminateReason::TerminalReap
+        } else {
+            TerminateReason::Shutdown
+        };
+        a.do_send(Terminate {
+            kill_after: kill,
+            reason,
+        });
+    }
+    let deadline = stop_bound(kill);
+    while addrs.iter().any(|(_, a)| a.connected()) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
