@@ -498,3 +498,56 @@ fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
     );
     sd.d.assert_healthy();
 }
+
+/// A worker's own report refused for want of space is sent again, not given up at once: its
+/// result lands once there is room (before, `runwarden complete` failed at the first
+/// `disk_full`, and the worker's clean exit then closed the run with no result).
+#[test]
+fn a_workers_report_refused_by_a_full_disk_lands_once_there_is_room() {
+    use std::time::Duration;
+    let mut sd = SmallDisk::start("", "[retries]\nmax_retries = 0", |gates| {
+        // The CLI's own messages go outside the full file system, where the test reads them.
+        let err = gates.join("complete.err").display().to_string();
+        format!(
+            "{}; runwarden complete --result 'kept through a full disk' 2>{err:?}; {}",
+            SmallDisk::gate(gates, "report"),
+            SmallDisk::gate(gates, "exit")
+        )
+    });
+    let task = sd.add_w("reports while the disk is full");
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || sd.show(task)["result"]["runs"]
+            [0]["worker_pid"]
+            .is_i64()),
+        "the worker never started: {}",
+        sd.show(task)
+    );
+    let filler = sd.data.join("filler");
+    assert!(fill(&filler) > 0, "the filler wrote nothing");
+    sd.open("report");
+    let err = sd.gates.join("complete.err");
+    let mut said = String::new();
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(10), || {
+            said = fs::read_to_string(&err).unwrap_or_default();
+            said.contains("retrying")
+        }),
+        "the report was not retried: {said:?}, task {}",
+        sd.show(task)
+    );
+    assert!(said.contains("disk"), "{said:?}");
+    assert_eq!(sd.show(task)["result"]["status"], "running");
+    fs::remove_file(&filler).expect("remove the filler");
+    let mut last = serde_json::Value::Null;
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(15), || {
+            last = sd.show(task);
+            last["result"]["status"] == "done"
+        }),
+        "the report never landed: {last}"
+    );
+    assert_eq!(last["result"]["result"], "kept through a full disk", "{last}");
+    assert_eq!(last["result"]["runs"][0]["outcome"], "completed", "{last}");
+    sd.open("exit");
+    sd.d.assert_healthy();
+}

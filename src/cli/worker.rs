@@ -174,7 +174,7 @@ pub fn heartbeat(cli: &Cli, out: Out, args: &HeartbeatArgs) -> Result<(), CliErr
 
 /// Sends one request. A worker reporting on its own run rides out a supervisor restart — the
 /// socket gone or refusing, the connection closed before any reply (accepted while the server
-/// was stopping), the server stopping or out of connection slots — by retrying the whole
+/// was stopping), the server stopping or out of connection slots — and a full disk by retrying the whole
 /// exchange for up to [`super::connect_wait`] (60 s; `RUNWARDEN_CONNECT_WAIT`), so its
 /// report is not lost. A report is never applied twice: a retry of one that did land finds its
 /// run closed (`stale_run`), which is said so. An operator's command fails at once.
@@ -207,7 +207,7 @@ fn request<T>(
                      supervisor went away"
                 )));
             }
-            Err(e) if super::is_passing(&e) && Instant::now() < deadline => e,
+            Err(e) if (super::is_passing(&e) || is_disk_full(&e)) && Instant::now() < deadline => e,
             Err(e) => return Err(e.into()),
         };
         if !told {
@@ -221,6 +221,12 @@ fn request<T>(
         std::thread::sleep(delay.min(deadline.saturating_duration_since(Instant::now())));
         delay = (delay * 2).min(Duration::from_secs(2));
     }
+}
+
+/// A refusal for want of space: nothing of the report was written (the transaction rolled
+/// back), so sending it again is safe, and it lands once the disk has room.
+fn is_disk_full(e: &ClientError) -> bool {
+    e.code() == Some(protocol::code::DISK_FULL)
 }
 
 fn not_in_worker(usage: &str) -> CliError {
