@@ -779,6 +779,17 @@ fn a_field_given_twice_or_a_malformed_value_is_refused_saying_what_is_wrong() {
     let r = c.call(r#"{"id":22,"op":"add_task","title":"t","idempotency_key":""}"#);
     assert_eq!(error_code(&r), "bad_request", "{r}");
     assert!(message(&r).contains("idempotency_key"), "{r}");
+    // A worker's report (run + token) is never forced: both at once is refused, and nothing
+    // is looked up (the task does not even exist).
+    for op in [
+        r#""op":"complete","task":1"#,
+        r#""op":"block","task":1,"reason":"r""#,
+    ] {
+        let line = format!(r#"{{"id":25,{op},"run":1,"token":"t","force":true}}"#);
+        let r = c.call(&line);
+        assert_eq!(error_code(&r), "bad_request", "{line}: {r}");
+        assert!(message(&r).contains("never forced"), "{line}: {r}");
+    }
     // `limit: 0` is refused with `follow` as well.
     let r = c.call(r#"{"id":23,"op":"events","follow":true,"limit":0}"#);
     assert_eq!(error_code(&r), "bad_request", "{r}");

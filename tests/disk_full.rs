@@ -546,7 +546,10 @@ fn a_workers_report_refused_by_a_full_disk_lands_once_there_is_room() {
         }),
         "the report never landed: {last}"
     );
-    assert_eq!(last["result"]["result"], "kept through a full disk", "{last}");
+    assert_eq!(
+        last["result"]["result"], "kept through a full disk",
+        "{last}"
+    );
     assert_eq!(last["result"]["runs"][0]["outcome"], "completed", "{last}");
     sd.open("exit");
     sd.d.assert_healthy();

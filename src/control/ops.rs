@@ -244,6 +244,11 @@ fn caller(
     force: bool,
 ) -> Result<Caller, OpError> {
     match (run, token) {
+        // A worker's report is checked against its run, never forced: a caller that sends
+        // both means one of them by mistake, and which one is not for the server to guess.
+        (Some(_), Some(_)) if force => Err(OpError::bad_request(
+            "field `force` is an operator's: a worker's own report (`run`, `token`) is never forced",
+        )),
         (Some(run), Some(token)) => Ok(Caller::Worker { run, token }),
         (None, None) => Ok(Caller::Operator { force }),
         (Some(_), None) => Err(OpError::bad_request(
