@@ -740,14 +740,26 @@ fn a_field_given_twice_or_a_malformed_value_is_refused_saying_what_is_wrong() {
         assert!(message(&r).contains("MAJOR.MINOR"), "{r}");
     }
     c.hello();
-    // A second `op` (or `id`) is not "the last one wins".
-    for line in [
-        r#"{"id":10,"op":"status","op":"list_tasks"}"#,
-        r#"{"id":10,"op":"status","id":11}"#,
+    // A second `op` (or `id`) is not "the last one wins". The answer carries the request's id
+    // unless the id is what was given twice.
+    for (line, id) in [
+        (
+            r#"{"id":10,"op":"status","op":"list_tasks"}"#,
+            serde_json::json!(10),
+        ),
+        (
+            r#"{"op":"status","id":"s","task":1,"task":2}"#,
+            serde_json::json!("s"),
+        ),
+        (
+            r#"{"id":10,"op":"status","id":11}"#,
+            serde_json::Value::Null,
+        ),
     ] {
         let r = c.call(line);
         assert_eq!(error_code(&r), "bad_request", "{line}: {r}");
         assert!(message(&r).contains("duplicate field"), "{line}: {r}");
+        assert_eq!(r["id"], id, "{line}: {r}");
     }
     // An id that is not one says why.
     for (line, why) in [

@@ -494,9 +494,14 @@ pub struct ParseError {
 /// How [`UniqueKeys`]' error starts.
 const DUPLICATE: &str = "duplicate field";
 
-/// A request's top-level object, its keys unique: a key given twice (`"op"`, `"id"`) is an
-/// error, not silently "the last one wins", as unknown fields are errors.
-struct UniqueKeys(Map<String, Value>);
+/// A request's top-level object, and the first key it gives twice (`"op"`, `"id"`): that is
+/// an error, not silently "the last one wins", as unknown fields are errors. The whole object
+/// is read first, so the error can carry the request's id when the id itself is not the key
+/// given twice.
+struct UniqueKeys {
+    fields: Map<String, Value>,
+    twice: Option<String>,
+}
 
 impl<'de> Deserialize<'de> for UniqueKeys {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -511,16 +516,16 @@ impl<'de> Deserialize<'de> for UniqueKeys {
                 mut map: A,
             ) -> Result<UniqueKeys, A::Error> {
                 let mut fields = Map::new();
+                let mut twice = None;
                 while let Some(key) = map.next_key::<String>()? {
                     let value: Value = map.next_value()?;
                     if fields.contains_key(&key) {
-                        return Err(serde::de::Error::custom(format!(
-                            "{DUPLICATE} `{key}`: a request gives each field once"
-                        )));
+                        twice.get_or_insert(key);
+                    } else {
+                        fields.insert(key, value);
                     }
-                    fields.insert(key, value);
                 }
-                Ok(UniqueKeys(fields))
+                Ok(UniqueKeys { fields, twice })
             }
         }
         d.deserialize_map(Keys)
@@ -539,9 +544,13 @@ pub fn parse_request(line: &[u8]) -> Result<(RequestId, Request), ParseError> {
             ),
         )
     })?;
-    let mut fields = match serde_json::from_str::<UniqueKeys>(text) {
-        Ok(UniqueKeys(fields)) => fields,
-        Err(e) if e.to_string().starts_with(DUPLICATE) => return Err(fail(None, e.to_string())),
+    let twice = |key: &str| format!("{DUPLICATE} `{key}`: a request gives each field once");
+    let (mut fields, twice_key) = match serde_json::from_str::<UniqueKeys>(text) {
+        // Which of two ids would be the request's is not for the server to guess.
+        Ok(UniqueKeys {
+            twice: Some(key), ..
+        }) if key == "id" => return Err(fail(None, twice(&key))),
+        Ok(UniqueKeys { fields, twice }) => (fields, twice),
         // Not an object, or not JSON: parsed again for a plainer message (errors only).
         Err(_) => {
             let value: Value = serde_json::from_str(text)
@@ -588,6 +597,9 @@ pub fn parse_request(line: &[u8]) -> Result<(RequestId, Request), ParseError> {
                 s.len()
             ),
         ));
+    }
+    if let Some(key) = twice_key {
+        return Err(fail(Some(id), twice(&key)));
     }
     let op = match fields.remove("op") {
         Some(Value::String(op)) => op,
