@@ -15,23 +15,33 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// When each thread started here and not yet finished started, and for what (by a serial
-/// number).
-static STARTED: Mutex<BTreeMap<u64, (Instant, &'static str)>> = Mutex::new(BTreeMap::new());
+/// Each thread started here and not yet finished, by a serial number: what it is for, and
+/// from when on it counts as stuck.
+static STARTED: Mutex<BTreeMap<u64, Started>> = Mutex::new(BTreeMap::new());
 static SERIAL: AtomicU64 = AtomicU64::new(0);
 
-/// A thread still running after this long points at a process stuck on a hung file system:
-/// a scan takes milliseconds, and a tree end waits `kill_timeout` and a few seconds more.
-/// Many threads at once do not: every worker of a `terminate` stop ends its tree on one.
+/// A thread still running this long after it was expected to be done points at a process
+/// stuck on a hung file system: a scan takes milliseconds, and a tree end waits out its
+/// `kill_timeout` (its expected time, [`run_for`]) and a few seconds more. Many threads at
+/// once do not: every worker of a `terminate` stop ends its tree on one.
 const STUCK_AFTER: Duration = Duration::from_secs(120);
+
+#[derive(Clone, Copy)]
+struct Started {
+    what: &'static str,
+    at: Instant,
+    /// `at` + the work's expected time + [`STUCK_AFTER`].
+    stuck_at: Instant,
+}
 
 /// Said at most this often while threads are stuck.
 const SAY_EVERY: Duration = Duration::from_secs(60);
 static LAST_SAID: Mutex<Option<Instant>> = Mutex::new(None);
 
-/// Logs the threads that have run for longer than [`STUCK_AFTER`], at most every
-/// [`SAY_EVERY`].
-fn say_if_stuck(now: Instant) {
+/// Logs the threads that have overrun their expected time by [`STUCK_AFTER`], at most every
+/// [`SAY_EVERY`]. Called as each thread starts and on the dispatcher's tick (a supervisor
+/// that starts no new thread still says so).
+pub fn say_if_stuck(now: Instant) {
     let stuck = stuck_at(now);
     let Some(&(oldest, what)) = stuck.iter().max_by_key(|(age, _)| *age) else {
         return;
@@ -49,14 +59,14 @@ fn say_if_stuck(now: Instant) {
     );
 }
 
-/// The threads that have run for [`STUCK_AFTER`] or longer at `now`: age and purpose.
+/// The threads stuck at `now` (see [`say_if_stuck`]): age and purpose.
 fn stuck_at(now: Instant) -> Vec<(Duration, &'static str)> {
     STARTED
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .values()
-        .map(|&(at, what)| (now.saturating_duration_since(at), what))
-        .filter(|&(age, _)| age >= STUCK_AFTER)
+        .filter(|t| now >= t.stuck_at)
+        .map(|t| (now.saturating_duration_since(t.at), t.what))
         .collect()
 }
 
@@ -66,14 +76,31 @@ pub fn run<T: Send + 'static>(
     what: &'static str,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> impl Future<Output = Option<T>> {
+    run_for(what, Duration::ZERO, f)
+}
+
+/// [`run`] for work that is expected to take up to `expected` (a tree end waits out its
+/// `kill_timeout`): it is called stuck only [`STUCK_AFTER`] past that.
+pub fn run_for<T: Send + 'static>(
+    what: &'static str,
+    expected: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> impl Future<Output = Option<T>> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let now = Instant::now();
     say_if_stuck(now);
     let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
-    STARTED
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(serial, (now, what));
+    let stuck_at = now
+        .checked_add(expected.saturating_add(STUCK_AFTER))
+        .unwrap_or(now + STUCK_AFTER);
+    STARTED.lock().unwrap_or_else(|p| p.into_inner()).insert(
+        serial,
+        Started {
+            what,
+            at: now,
+            stuck_at,
+        },
+    );
     let started = std::thread::Builder::new()
         .name("runwarden-proc".into())
         .spawn(move || {
@@ -111,10 +138,10 @@ fn forget(serial: u64) {
         .remove(&serial);
 }
 
-/// [`run`], nobody waiting for the end.
-pub fn spawn(what: &'static str, f: impl FnOnce() + Send + 'static) {
-    // The thread starts in `run` itself; its answer is not wanted.
-    drop(run(what, f));
+/// [`run_for`], nobody waiting for the end.
+pub fn spawn_for(what: &'static str, expected: Duration, f: impl FnOnce() + Send + 'static) {
+    // The thread starts in `run_for` itself; its answer is not wanted.
+    drop(run_for(what, expected, f));
 }
 
 /// How many of these threads run now (for tests and diagnostics).
@@ -126,8 +153,8 @@ pub fn running() -> usize {
 mod tests {
     use super::*;
 
-    /// Many threads at once are not "stuck"; one that has run for long is, and once it ends
-    /// it is not any more.
+    /// Many threads at once are not "stuck"; one that has run for long is (work expected to
+    /// take long, only that much later), and once it ends it is not any more.
     #[test]
     fn a_thread_is_stuck_by_its_age_not_by_how_many_run() {
         let (go, wait) = std::sync::mpsc::channel::<()>();
@@ -142,12 +169,22 @@ mod tests {
         );
         let later = before + STUCK_AFTER + Duration::from_secs(1);
         assert!(stuck_at(later).iter().any(|&(_, w)| w == "held"));
+        // Work expected to take long is stuck only that long later.
+        let (go_long, wait_long) = std::sync::mpsc::channel::<()>();
+        let long = run_for("long", Duration::from_secs(600), move || {
+            let _ = wait_long.recv();
+        });
+        assert!(!stuck_at(later).iter().any(|&(_, w)| w == "long"));
+        let much_later = before + Duration::from_secs(600) + STUCK_AFTER + Duration::from_secs(1);
+        assert!(stuck_at(much_later).iter().any(|&(_, w)| w == "long"));
+        go_long.send(()).unwrap();
         go.send(()).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
         rt.block_on(async {
             held.await.expect("answered");
+            long.await.expect("answered");
             for q in quick {
                 q.await.expect("answered");
             }
@@ -156,7 +193,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         while stuck_at(later)
             .iter()
-            .any(|&(_, w)| w == "held" || w == "quick")
+            .any(|&(_, w)| w == "held" || w == "quick" || w == "long")
         {
             assert!(
                 Instant::now() < deadline,

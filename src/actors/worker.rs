@@ -525,7 +525,8 @@ impl WorkerActor {
         let (run_id, token, kill) = (self.run_id(), self.spec.token.clone(), self.kill_timeout);
         let pid = pidfd.pid();
         async move {
-            let end = super::proc_thread::run("tree end", move || {
+            let expected = kill.saturating_add(process::AFTER_SIGKILL);
+            let end = super::proc_thread::run_for("tree end", expected, move || {
                 descendants::terminate_tree(&pidfd, &token, kill, signalled)
             });
             match end.await {

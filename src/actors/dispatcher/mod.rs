@@ -651,6 +651,7 @@ impl DispatcherActor {
         }
         self.pass(ctx);
         self.reconcile(ctx);
+        crate::actors::proc_thread::say_if_stuck(std::time::Instant::now());
         // Safety net for promotions: transitions promote children themselves, but a board
         // changed behind our back (an older build, a hand edit) must not strand a child in
         // `todo`. O(todo rows) in a write transaction (86 ms with 50 000 waiting children), so
@@ -692,7 +693,9 @@ impl DispatcherActor {
         let store = self.store.clone();
         // Off the runtime's blocking pool: the scan can wait on a process stuck on a hung
         // mount (see proc_thread); the round's flag keeps it to one at a time.
-        crate::actors::proc_thread::spawn("tick chores", move || {
+        // Strays found are ended as trees are (kill_timeout); the commit may wait on a full disk.
+        let expected = kill.saturating_add(crate::process::AFTER_SIGKILL);
+        crate::actors::proc_thread::spawn_for("tick chores", expected, move || {
             let _running = running;
             if subreaper {
                 // One /proc scan per tick serves both sweeps below.
