@@ -172,7 +172,8 @@ impl Table {
     }
 }
 
-/// "just now", "42s ago", "3m ago", "5h ago", "2d ago" (or "in 3m" for a future time).
+/// "just now", "42s ago", "3m ago", "5h ago", "2d ago" (or "in 3m", "in under 1s" for a
+/// future time).
 pub fn ago(at: Millis) -> String {
     let delta = now_millis() - at;
     let (future, ms) = if delta < 0 {
@@ -182,7 +183,8 @@ pub fn ago(at: Millis) -> String {
     };
     let s = ms / 1000;
     let text = if s < 1 {
-        return "just now".into();
+        // A lease or a retry due within the second is still ahead, not "just now".
+        return if future { "in under 1s" } else { "just now" }.into();
     } else if s < 60 {
         format!("{s}s")
     } else if s < 3600 {
@@ -294,6 +296,7 @@ mod tests {
     fn relative_times() {
         let now = now_millis();
         assert_eq!(ago(now), "just now");
+        assert_eq!(ago(now + 900), "in under 1s");
         assert_eq!(ago(now - 180_000), "3m ago");
         assert_eq!(ago(now + 120_500), "in 2m");
     }
