@@ -38,6 +38,7 @@ fn fake_fp() -> Fingerprint {
     Fingerprint {
         boot_id: "00000000-0000-0000-0000-000000000000".into(),
         start_ticks: 4242,
+        pidfs_ino: None,
     }
 }
 

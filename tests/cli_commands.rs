@@ -285,6 +285,7 @@ fn running_tasks_runs_reclaim_force_status_reap() {
     let fp = runwarden::process::Fingerprint {
         boot_id: run["worker_boot_id"].as_str().expect("boot id").to_string(),
         start_ticks: run["worker_start_ticks"].as_u64().expect("start ticks"),
+        pidfs_ino: None,
     };
     let worker = WorkerGuard::pin(run["worker_pid"].as_i64().unwrap() as i32, &fp);
 

@@ -20,7 +20,10 @@ use common::board::{
 };
 use common::proc_guard::ChildGuard;
 use runwarden::board::{now_millis, reap_terminal_workers};
-use runwarden::process::{DeadReason, Liveness, Pid, Signal, fingerprint, liveness};
+use runwarden::process::{
+    DeadReason, Fingerprint, Liveness, Pid, PidFd, Signal, Verified, fingerprint, liveness,
+    open_verified,
+};
 
 /// Bounds of the recycling walk (one full cycle of a 32768-pid space takes about a second).
 const MAX_WALK: Duration = Duration::from_secs(60);
@@ -161,4 +164,153 @@ fn recycled_pid_is_never_signalled_and_its_evidence_is_cleared() {
     assert_eq!(again, Vec::<i64>::new());
     assert_eq!(signaller.sent(), vec![]);
     assert!(still_running(&mut stranger));
+}
+
+/// A process paused for ever, started by a raw `clone3` (no exec: it starts within
+/// microseconds), at pid `at` when given (`set_tid`, root's), ended and reaped by its pidfd on
+/// drop.
+struct Paused {
+    pidfd: PidFd,
+}
+
+/// clone3's argument (include/uapi/linux/sched.h), up to `set_tid_size`.
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+}
+
+impl Paused {
+    fn start(at: Option<Pid>) -> std::io::Result<Paused> {
+        let tid = at.unwrap_or(0);
+        let args = CloneArgs {
+            exit_signal: libc::SIGCHLD as u64,
+            set_tid: if at.is_some() {
+                &tid as *const Pid as u64
+            } else {
+                0
+            },
+            set_tid_size: u64::from(at.is_some()),
+            ..CloneArgs::default()
+        };
+        // SAFETY: a fork-like clone3 (no CLONE_VM); the child only calls pause(2), which is
+        // async-signal-safe, until it is killed.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_clone3,
+                &args as *const CloneArgs,
+                std::mem::size_of::<CloneArgs>(),
+            )
+        };
+        match ret {
+            0 => loop {
+                // SAFETY: see above.
+                unsafe { libc::pause() };
+            },
+            pid if pid < 0 => Err(std::io::Error::last_os_error()),
+            pid => {
+                // Our unreaped child: its pid cannot name anyone else yet.
+                let pidfd = PidFd::open(pid as Pid).map_err(std::io::Error::other)?;
+                Ok(Paused { pidfd })
+            }
+        }
+    }
+
+    fn pid(&self) -> Pid {
+        self.pidfd.pid()
+    }
+
+    /// Kills and reaps it.
+    fn end(&self) {
+        let _ = self.pidfd.signal(Signal::SIGKILL);
+        let _ = self.pidfd.wait_exit(Duration::from_secs(10));
+        let _ = self.pidfd.try_reap();
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// A worker and a stranger given its pid within the same clock tick: the same boot id and
+/// start time, so only the pidfs inode the worker's fingerprint carries tells them apart. The
+/// stranger must not be taken for the worker (not alive as it, never signalled by the reaper).
+/// Placing the pid takes root (clone3's `set_tid`), as CI runs.
+#[test]
+fn a_stranger_given_the_workers_pid_in_its_clock_tick_is_told_apart_by_its_pidfs_inode() {
+    let mut tb = temp_board();
+    let mut attempts = 0;
+    let (stranger, fp) = loop {
+        attempts += 1;
+        assert!(
+            attempts <= 200,
+            "no stranger started in its worker's clock tick in 200 attempts"
+        );
+        let worker = Paused::start(None).expect("start a worker");
+        let pid = worker.pid();
+        let mut fp = fingerprint(pid).expect("the worker's fingerprint");
+        fp.pidfs_ino = worker.pidfd.pidfs_ino().expect("fstat of its pidfd");
+        assert!(
+            fp.pidfs_ino.is_some(),
+            "this kernel's pidfds are not pidfs inodes (Linux < 6.9?): this test cannot run"
+        );
+        worker.end();
+        let stranger = match Paused::start(Some(pid)) {
+            Ok(s) => s,
+            // Someone else took the pid first.
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+            Err(e) => panic!("clone3 with set_tid (needs root): {e}"),
+        };
+        match fingerprint(pid) {
+            Ok(now) if now.start_ticks == fp.start_ticks => break (stranger, fp),
+            _ => continue, // The next tick: try again.
+        }
+    };
+    let pid = stranger.pid();
+    println!("stranger at pid {pid} in its worker's tick after {attempts} attempt(s)");
+    // Without the inode the start time alone cannot tell: the stranger passes for the worker.
+    let by_start_time = Fingerprint {
+        pidfs_ino: None,
+        ..fp.clone()
+    };
+    assert_eq!(liveness(pid, &by_start_time), Liveness::Alive);
+    // With it, it is a recycled pid, to a look and to the step before any signal.
+    assert_eq!(liveness(pid, &fp), Liveness::Dead(DeadReason::Recycled));
+    assert!(matches!(
+        open_verified(pid, &fp),
+        Ok(Verified::NotOurs(Liveness::Dead(DeadReason::Recycled)))
+    ));
+
+    // The terminal reaper, the grace over: nothing signalled, the stranger lives on.
+    let ended_at = now_millis();
+    let (task, run_id) = completed_with_worker(&mut tb.board, "finished", pid, Some(&fp), ended_at);
+    let signaller = RecordingSignaller::default();
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &signaller,
+        ended_at + GRACE.as_millis() as i64 + 1,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(reaped, Vec::<i64>::new());
+    assert_eq!(signaller.sent(), vec![], "the stranger was signalled");
+    assert!(
+        matches!(stranger.pidfd.try_reap(), Ok(None)),
+        "the stranger was ended"
+    );
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pid);
+    let events = events_of(&mut tb.board, task, "terminal_worker_pid_recycled");
+    assert_eq!(events.len(), 1, "{:?}", kinds(&mut tb.board, task));
 }

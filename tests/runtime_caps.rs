@@ -152,6 +152,8 @@ fn fifty_tasks_never_exceed_the_per_assignee_caps() {
         assert_eq!(i64::from(ev_pid), pid, "event and run agree on the pid");
         assert_eq!(fp.boot_id, boot, "fingerprint taken in this boot");
         assert!(fp.start_ticks > 0, "start ticks recorded: {fp:?}");
+        // This kernel (Linux ≥ 6.9) has pidfs: the worker's pidfd inode is part of it.
+        assert!(fp.pidfs_ino.is_some(), "pidfs inode recorded: {fp:?}");
         assignee_of_run.insert(run.id, who);
         run_pids.entry(who.to_string()).or_default().push(pid);
     }

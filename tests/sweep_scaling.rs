@@ -72,6 +72,7 @@ fn fp(ticks: u64) -> Fingerprint {
     Fingerprint {
         boot_id: "11111111-2222-3333-4444-555555555555".into(),
         start_ticks: ticks,
+        pidfs_ino: None,
     }
 }
 

@@ -59,6 +59,7 @@ fn a_worker_starts_with_its_run_environment_stdio_group_dir_and_default_signals(
     let fp = Fingerprint {
         boot_id: run.worker_boot_id.clone().expect("boot id recorded"),
         start_ticks: run.worker_start_ticks.expect("start time recorded") as u64,
+        pidfs_ino: None,
     };
     // Ended with its group when the test ends, passed or failed.
     let _worker = WorkerGuard::pin(pid, &fp);

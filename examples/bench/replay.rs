@@ -103,6 +103,8 @@ fn replay(path: &Path, n: usize, slots: usize, sync_full: bool) -> Result<(f64, 
     let fp = Fingerprint {
         boot_id: "0123456789abcdef0123456789abcdef".into(),
         start_ticks: 12_345,
+        // As a worker's on a kernel with pidfs: one more column written per spawn.
+        pidfs_ino: Some(7_000_000),
     };
     let mut now = 1_700_000_000_000i64;
     let mut commits = 0;

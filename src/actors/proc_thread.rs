@@ -41,7 +41,7 @@ static LAST_SAID: Mutex<Option<Instant>> = Mutex::new(None);
 /// Logs the threads that have overrun their expected time by [`STUCK_AFTER`], at most every
 /// [`SAY_EVERY`]. Called as each thread starts and on the dispatcher's tick (a supervisor
 /// that starts no new thread still says so).
-pub fn say_if_stuck(now: Instant) {
+pub(crate) fn say_if_stuck(now: Instant) {
     let stuck = stuck_at(now);
     let Some(&(oldest, what)) = stuck.iter().max_by_key(|(age, _)| *age) else {
         return;
@@ -80,7 +80,7 @@ pub fn run<T: Send + 'static>(
 }
 
 /// [`run`] for work that is expected to take up to `expected` (a tree end waits out its
-/// `kill_timeout`): it is called stuck only [`STUCK_AFTER`] past that.
+/// `kill_timeout`): it is called stuck only 2 minutes past that.
 pub fn run_for<T: Send + 'static>(
     what: &'static str,
     expected: Duration,

@@ -451,6 +451,7 @@ impl ReaperActor {
                 fingerprint: Fingerprint {
                     boot_id,
                     start_ticks: ticks,
+                    pidfs_ino: run.worker_pidfs_ino.map(|i| i as u64),
                 },
                 ended_at: run.ended_at.unwrap_or(run.started_at),
                 token: Some(run.token),

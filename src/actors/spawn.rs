@@ -273,7 +273,13 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     let identity = pidfd
         .map_err(|e| format!("cannot open pidfd for {pid}: {e}"))
         .and_then(|pidfd| match fingerprint_of_new(pid, start_ticks) {
-            Ok(fp) => Ok((pidfd, fp)),
+            Ok(mut fp) => {
+                // The inode tells the worker from a process given its pid within its clock
+                // tick; without one (an older kernel, an fstat that failed) the start time
+                // alone decides, as it did before pidfs.
+                fp.pidfs_ino = pidfd.pidfs_ino().ok().flatten();
+                Ok((pidfd, fp))
+            }
             Err(e) => Err(format!("cannot fingerprint {pid} ({e})")),
         });
     let (pidfd, fingerprint) = match identity {
@@ -1108,7 +1114,14 @@ mod tests {
         let child = futures::executor::block_on(spawner.submit(spec(dir.path(), &["true"])))
             .expect("spawned");
         assert!(process::owned::is_registered(child.pid));
-        assert_eq!(child.fingerprint, process::fingerprint(child.pid).unwrap());
+        // The start time /proc shows, and the inode of the pidfd the start handed back.
+        let read = process::fingerprint(child.pid).unwrap();
+        assert_eq!(child.fingerprint.start_ticks, read.start_ticks);
+        assert_eq!(child.fingerprint.boot_id, read.boot_id);
+        assert_eq!(
+            child.fingerprint.pidfs_ino,
+            child.pidfd.pidfs_ino().unwrap()
+        );
         assert!(exits_and_is_reaped(&child.pidfd));
         process::owned::unregister(child.pid);
     }
@@ -1122,7 +1135,11 @@ mod tests {
             let _ = child.pidfd.signal_group(process::Signal::SIGKILL);
             assert!(exits_and_is_reaped(&child.pidfd));
             process::owned::unregister(child.pid);
-            assert_eq!(child.fingerprint, read.expect("its /proc/<pid>/stat"));
+            let read = read.expect("its /proc/<pid>/stat");
+            assert_eq!(
+                (&child.fingerprint.boot_id, child.fingerprint.start_ticks),
+                (&read.boot_id, read.start_ticks)
+            );
         }
     }
 

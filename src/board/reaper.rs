@@ -87,7 +87,7 @@ impl Tx<'_> {
     ) -> Result<Vec<ReapCandidate>> {
         let mut stmt = self.conn.prepare_cached(
             "SELECT id, task_id, worker_pid, worker_boot_id, worker_start_ticks, ended_at, token, \
-                    outcome \
+                    outcome, worker_pidfs_ino \
              FROM task_runs \
              WHERE ended_at IS NOT NULL AND worker_pid IS NOT NULL AND ended_at <= ?1 \
                AND ended_at <= ?1 - CASE WHEN outcome IN ('completed', 'blocked') THEN ?2 ELSE 0 END \
@@ -108,6 +108,9 @@ impl Tx<'_> {
                             e.into(),
                         )
                     })?,
+                    pidfs_ino: r
+                        .get::<_, Option<i64>>(8)?
+                        .map(super::types::ino_from_column),
                 },
                 ended_at: r.get(5)?,
                 token: r.get(6)?,

@@ -11,7 +11,7 @@ pub(super) const TASK_COLS: &str = "id, title, body, assignee, status, priority,
 pub(super) const RUN_COLS: &str = "id, task_id, attempt, assignee, token, claimer, outcome, \
     started_at, ended_at, lease_expires_at, heartbeat_at, spawned_pid, worker_pid, \
     worker_boot_id, worker_start_ticks, exit_code, exit_signal, error, summary, log_offset, \
-    log_generation, silence_ms";
+    log_generation, silence_ms, worker_pidfs_ino";
 
 pub(super) const EVENT_COLS: &str = "id, task_id, run_id, kind, payload, at";
 
@@ -80,6 +80,7 @@ pub(super) fn run(row: &Row<'_>) -> rusqlite::Result<Run> {
             }),
         },
         silence_ms: row.get(21)?,
+        worker_pidfs_ino: row.get(22)?,
     })
 }
 

@@ -264,7 +264,8 @@ impl Tx<'_> {
             .conn
             .prepare_cached(
                 "UPDATE task_runs SET spawned_pid = ?2, worker_pid = ?2, worker_boot_id = ?3, \
-                 worker_start_ticks = ?4, spawn_pending = 0, log_offset = ?5, log_generation = ?6 \
+                 worker_start_ticks = ?4, spawn_pending = 0, log_offset = ?5, log_generation = ?6, \
+                 worker_pidfs_ino = ?7 \
                  WHERE id = ?1 AND spawned_pid IS NULL",
             )?
             .execute(params![
@@ -274,6 +275,8 @@ impl Tx<'_> {
                 fp.map(|f| f.start_ticks as i64),
                 log.map(|l| i64::try_from(l.offset).unwrap_or(i64::MAX)),
                 log.and_then(|l| l.generation.as_deref()),
+                fp.and_then(|f| f.pidfs_ino)
+                    .map(super::types::ino_to_column),
             ])?;
         let updated = if changed == 0 {
             None
@@ -300,6 +303,7 @@ impl Tx<'_> {
                 "pid": pid,
                 "boot_id": fp.map(|f| &f.boot_id),
                 "start_ticks": fp.map(|f| f.start_ticks),
+                "pidfs_ino": fp.and_then(|f| f.pidfs_ino),
             }),
             now,
         )?;
@@ -619,7 +623,7 @@ impl Tx<'_> {
             "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3 WHERE id = ?1"
         } else {
             "UPDATE task_runs SET exit_code = ?2, exit_signal = ?3, worker_pid = NULL, \
-             worker_boot_id = NULL, worker_start_ticks = NULL WHERE id = ?1"
+             worker_boot_id = NULL, worker_start_ticks = NULL, worker_pidfs_ino = NULL WHERE id = ?1"
         };
         self.conn
             .prepare_cached(sql)?
@@ -661,16 +665,18 @@ impl Tx<'_> {
             .execute(params![run_id, outcome.as_str(), now, summary, error])?;
         // Only what the closing needs (the whole row, strings and all, cost as much as the
         // UPDATE itself, once per lifecycle).
-        let sql = "SELECT task_id, worker_pid, worker_boot_id, worker_start_ticks \
+        let sql = "SELECT task_id, worker_pid, worker_boot_id, worker_start_ticks, worker_pidfs_ino \
                    FROM task_runs WHERE id = ?1";
-        let (task_id, pid, boot_id, start_ticks) = self.run_fields(run_id, sql, |r| {
-            Ok((
-                r.get::<_, TaskId>(0)?,
-                r.get::<_, Option<i64>>(1)?,
-                r.get::<_, Option<String>>(2)?,
-                r.get::<_, Option<i64>>(3)?,
-            ))
-        })?;
+        let (task_id, pid, boot_id, start_ticks, pidfs_ino) =
+            self.run_fields(run_id, sql, |r| {
+                Ok((
+                    r.get::<_, TaskId>(0)?,
+                    r.get::<_, Option<i64>>(1)?,
+                    r.get::<_, Option<String>>(2)?,
+                    r.get::<_, Option<i64>>(3)?,
+                    r.get::<_, Option<i64>>(4)?,
+                ))
+            })?;
         if changed == 0 {
             return Err(BoardError::Conflict(format!(
                 "run {run_id} is already closed"
@@ -682,7 +688,7 @@ impl Tx<'_> {
             outcome,
             ended_at: now,
             pid: pid.and_then(|p| i32::try_from(p).ok()),
-            fingerprint: super::types::fingerprint_of(boot_id, start_ticks),
+            fingerprint: super::types::fingerprint_of(boot_id, start_ticks, pidfs_ino),
         };
         self.append_event(
             Some(task_id),
@@ -693,6 +699,7 @@ impl Tx<'_> {
                 "pid": closed.pid,
                 "boot_id": closed.fingerprint.as_ref().map(|f| &f.boot_id),
                 "start_ticks": closed.fingerprint.as_ref().map(|f| f.start_ticks),
+                "pidfs_ino": closed.fingerprint.as_ref().and_then(|f| f.pidfs_ino),
                 "error": error,
             }),
             now,
@@ -717,8 +724,8 @@ impl Tx<'_> {
         let changed = self
             .conn
             .prepare_cached(
-                "UPDATE task_runs SET worker_pid = NULL, worker_boot_id = NULL, worker_start_ticks = NULL \
-                 WHERE id = ?1 AND worker_pid = ?2 AND worker_boot_id IS ?3 AND worker_start_ticks IS ?4",
+                "UPDATE task_runs SET worker_pid = NULL, worker_boot_id = NULL, worker_start_ticks = NULL, \
+                 worker_pidfs_ino = NULL WHERE id = ?1 AND worker_pid = ?2 AND worker_boot_id IS ?3 AND worker_start_ticks IS ?4",
             )?
             .execute(params![
                 run_id,

@@ -176,6 +176,12 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE task_runs ADD COLUMN silence_ms INTEGER NOT NULL DEFAULT 0;
     "#,
+    // v9: the worker's pidfs inode number, part of its fingerprint where the kernel has pidfs
+    // (see process::Fingerprint): a process given the worker's pid within its clock tick has
+    // the same start time, and another inode. Stored as its 64 bits, signed.
+    r#"
+    ALTER TABLE task_runs ADD COLUMN worker_pidfs_ino INTEGER;
+    "#,
 ];
 
 /// The schema version this build writes.

@@ -178,6 +178,10 @@ pub struct Run {
     /// restarts. Internal: not part of the protocol.
     #[serde(skip, default)]
     pub silence_ms: i64,
+    /// The worker's pidfs inode number, part of its evidence where known (see
+    /// [`Fingerprint`]). Internal: not part of the protocol.
+    #[serde(skip, default)]
+    pub worker_pidfs_ino: Option<i64>,
 }
 
 /// Where a run's output starts in its task's log, so that a crash quotes that run's output
@@ -194,7 +198,11 @@ pub struct LogStart {
 impl Run {
     /// The recorded spawn fingerprint, if the row has a complete one.
     pub fn fingerprint(&self) -> Option<Fingerprint> {
-        fingerprint_of(self.worker_boot_id.clone(), self.worker_start_ticks)
+        fingerprint_of(
+            self.worker_boot_id.clone(),
+            self.worker_start_ticks,
+            self.worker_pidfs_ino,
+        )
     }
 
     /// True while the run is open.
@@ -375,16 +383,28 @@ pub const EVENT_KINDS: [&str; 27] = [
     "event_ids_reserved",
 ];
 
-/// The fingerprint stored in a run's `worker_boot_id` and `worker_start_ticks` columns, if it
-/// holds a whole one.
+/// The fingerprint stored in a run's `worker_boot_id`, `worker_start_ticks` and
+/// `worker_pidfs_ino` columns, if it holds a whole one (the inode is optional).
 pub(crate) fn fingerprint_of(
     boot_id: Option<String>,
     start_ticks: Option<i64>,
+    pidfs_ino: Option<i64>,
 ) -> Option<Fingerprint> {
     Some(Fingerprint {
         boot_id: boot_id?,
         start_ticks: u64::try_from(start_ticks?).ok()?,
+        pidfs_ino: pidfs_ino.map(ino_from_column),
     })
+}
+
+/// A pidfs inode number as its column stores it: its 64 bits, as SQLite's signed integer.
+pub(crate) fn ino_to_column(ino: u64) -> i64 {
+    ino as i64
+}
+
+/// The inverse of [`ino_to_column`].
+pub(crate) fn ino_from_column(stored: i64) -> u64 {
+    stored as u64
 }
 
 #[cfg(test)]

@@ -441,9 +441,11 @@ pub fn live_orphans(children: &[super::ProcStat]) -> Vec<Orphan> {
                 .unwrap_or_default();
             Orphan {
                 pid: s.pid,
+                // Found by a scan: no pidfd was held from its start, so no inode is known.
                 fingerprint: Fingerprint {
                     boot_id: boot_id.clone(),
                     start_ticks: s.start_ticks,
+                    pidfs_ino: None,
                 },
                 token,
                 run_id,

@@ -8,12 +8,24 @@ use super::{Pid, ProcessError, read_stat};
 ///
 /// `start_ticks` (field 22 of `/proc/<pid>/stat`) only means something within one boot, hence the
 /// boot id beside it: a fingerprint recorded before a reboot names no process of this boot.
+///
+/// A start time counts in clock ticks (10 ms at the usual USER_HZ of 100): a process given the
+/// same pid within the same tick — which takes placing the pid on purpose (`ns_last_pid`,
+/// clone3's `set_tid`), or a pid namespace small enough to wrap within 10 ms — has the same
+/// start time. `pidfs_ino` tells those apart: the inode number of the process's pidfd on pidfs
+/// (Linux 6.9), which names one process of this boot and is never given to another. Recorded
+/// for the workers runwarden starts (from the pidfd their start hands back) where the kernel
+/// has pidfs; `None` elsewhere (older kernels, processes found by a `/proc` scan, rows from
+/// before schema v9), and then the start time alone decides, as before.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Fingerprint {
     /// `/proc/sys/kernel/random/boot_id` of the boot the process was started in.
     pub boot_id: String,
     /// Start time of the process after boot, in clock ticks.
     pub start_ticks: u64,
+    /// The inode number of the process's pidfd on pidfs, when known (see above).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pidfs_ino: Option<u64>,
 }
 
 const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
@@ -119,6 +131,7 @@ impl ClockCheck {
             return Ok(Fingerprint {
                 boot_id: boot_id()?,
                 start_ticks: ticks,
+                pidfs_ino: None,
             });
         }
         let read = fingerprint(pid)?;
@@ -141,6 +154,7 @@ pub fn fingerprint(pid: Pid) -> Result<Fingerprint, ProcessError> {
     Ok(Fingerprint {
         boot_id: boot_id()?,
         start_ticks: read_stat(pid)?.start_ticks,
+        pidfs_ino: None,
     })
 }
 
@@ -240,12 +254,16 @@ mod tests {
 
     #[test]
     fn fingerprint_round_trips_through_json() {
-        let fp = Fingerprint {
+        let mut fp = Fingerprint {
             boot_id: "b".into(),
             start_ticks: 7,
+            pidfs_ino: None,
         };
         let json = serde_json::to_string(&fp).unwrap();
         assert_eq!(json, r#"{"boot_id":"b","start_ticks":7}"#);
+        assert_eq!(serde_json::from_str::<Fingerprint>(&json).unwrap(), fp);
+        fp.pidfs_ino = Some(u64::MAX);
+        let json = serde_json::to_string(&fp).unwrap();
         assert_eq!(serde_json::from_str::<Fingerprint>(&json).unwrap(), fp);
     }
 }

@@ -45,7 +45,7 @@ impl std::fmt::Display for DeadReason {
 }
 
 /// Dead only with proof: no such pid, a zombie (state Z or X), another boot id, another start
-/// time (= Recycled). Any probe that fails otherwise (EACCES, parse error, unreadable boot_id) is
+/// time or pidfs inode (= Recycled). Any probe that fails otherwise (EACCES, parse error, unreadable boot_id) is
 /// `Unknown(reason)`. The boot id is checked first: a fingerprint from another boot is
 /// `Dead(OtherBoot)` without looking at the pid, which may belong to anyone in this boot.
 pub fn liveness(pid: Pid, expected: &Fingerprint) -> Liveness {
@@ -53,7 +53,11 @@ pub fn liveness(pid: Pid, expected: &Fingerprint) -> Liveness {
         return verdict;
     }
     match read_stat(pid) {
-        Ok(stat) => verdict(&stat, expected),
+        // The start time matched: a pidfs inode on record has the last word (see Fingerprint).
+        Ok(stat) => match verdict(&stat, expected) {
+            Liveness::Dead(DeadReason::Recycled) => Liveness::Dead(DeadReason::Recycled),
+            other => super::pidfd::pidfs_verdict(pid, expected).unwrap_or(other),
+        },
         Err(ProcessError::NoSuchProcess { .. }) => Liveness::Dead(DeadReason::NoSuchProcess),
         Err(err) => Liveness::Unknown(err.to_string()),
     }

@@ -72,6 +72,18 @@ impl PidFd {
         self.pid
     }
 
+    /// The inode number of this pidfd on pidfs (Linux 6.9): unique to its process within the
+    /// boot (see [`Fingerprint`]). `Ok(None)` where pidfds are not pidfs inodes (older kernels:
+    /// every pidfd is the one anonymous inode there) or inode numbers are narrower than 64 bits.
+    pub fn pidfs_ino(&self) -> Result<Option<u64>, ProcessError> {
+        if !pidfds_are_pidfs(self.fd.as_fd()) {
+            return Ok(None);
+        }
+        let stat = rustix::fs::fstat(&self.fd)
+            .map_err(|errno| ProcessError::os(self.pid, "fstat of a pidfd", errno.into()))?;
+        Ok(Some(stat.st_ino as u64))
+    }
+
     /// Sends `sig` to the process only.
     pub fn signal(&self, sig: Signal) -> Result<(), ProcessError> {
         self.send_raw(sig as libc::c_int, 0, "pidfd_send_signal")
@@ -244,6 +256,56 @@ impl AsRawFd for PidFd {
 
 /// poll(2) takes milliseconds as an i32: round up (so a sub-millisecond rest still sleeps rather
 /// than spinning) and clamp (the caller loops until the real deadline).
+/// `PIDFS_MAGIC` (include/uapi/linux/magic.h), the `f_type` of a pidfd's file system.
+const PIDFS_MAGIC: i64 = 0x5049_4446;
+
+/// Whether this kernel's pidfds are inodes of pidfs, each process its own (Linux 6.9), with
+/// 64-bit inode numbers. Asked of the first pidfd seen; a failed answer is not kept.
+fn pidfds_are_pidfs(fd: BorrowedFd<'_>) -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if let Some(&yes) = ANSWER.get() {
+        return yes;
+    }
+    let Ok(fs) = rustix::fs::fstatfs(fd) else {
+        return false;
+    };
+    // On 32-bit the kernel splits the number into an inode and a generation: not unique alone.
+    // `f_type` is an i64 on x86_64, narrower on some targets.
+    #[allow(clippy::unnecessary_cast)]
+    let yes = fs.f_type as i64 == PIDFS_MAGIC && std::mem::size_of::<libc::ino_t>() == 8;
+    *ANSWER.get_or_init(|| yes)
+}
+
+/// Whether the process `pidfd` refers to is the one `expected` names by its pidfs inode:
+/// `None` when that decides nothing (no inode recorded, or pidfds carry none here), else the
+/// verdict — `Some(Ok(false))` is a different process that was given the pid.
+fn same_pidfs_inode(pidfd: &PidFd, expected: &Fingerprint) -> Option<Result<bool, ProcessError>> {
+    let want = expected.pidfs_ino?;
+    match pidfd.pidfs_ino() {
+        Ok(Some(ino)) => Some(Ok(ino == want)),
+        Ok(None) => None,
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// [`liveness`](super::liveness)'s check of a pidfs inode, for a pid whose start time matched:
+/// `None` when it changes nothing, else the verdict it forces.
+pub(crate) fn pidfs_verdict(pid: Pid, expected: &Fingerprint) -> Option<Liveness> {
+    expected.pidfs_ino?;
+    let pidfd = match PidFd::open(pid) {
+        Ok(pidfd) => pidfd,
+        Err(ProcessError::NoSuchProcess { .. }) => {
+            return Some(Liveness::Dead(DeadReason::NoSuchProcess));
+        }
+        Err(err) => return Some(Liveness::Unknown(err.to_string())),
+    };
+    match same_pidfs_inode(&pidfd, expected)? {
+        Ok(true) => None,
+        Ok(false) => Some(Liveness::Dead(DeadReason::Recycled)),
+        Err(err) => Some(Liveness::Unknown(err.to_string())),
+    }
+}
+
 fn poll_millis(left: Duration) -> i32 {
     let micros = left.as_micros();
     i32::try_from(micros.div_ceil(1000)).unwrap_or(i32::MAX)
@@ -296,6 +358,13 @@ pub(crate) fn open_checked(pid: Pid, expected: &Fingerprint) -> Result<Checked, 
         }
         Err(err) => return Err(err),
     };
+    // With a pidfs inode on record the fd alone says whose it is: a process given the pid in
+    // the worker's own clock tick has the same start time and another inode.
+    match same_pidfs_inode(&pidfd, expected) {
+        None | Some(Ok(true)) => {}
+        Some(Ok(false)) => return Ok(Checked::NotOurs(Liveness::Dead(DeadReason::Recycled))),
+        Some(Err(err)) => return Ok(Checked::NotOurs(Liveness::Unknown(err.to_string()))),
+    }
     // The fingerprint is read only now, with the fd open (see open_verified).
     let stat = match read_stat(pid) {
         Ok(stat) => stat,

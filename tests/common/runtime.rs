@@ -116,6 +116,7 @@ pub fn worker_identity(ev: &Event) -> Option<(Pid, Fingerprint)> {
         Fingerprint {
             boot_id: p.get("boot_id")?.as_str()?.to_string(),
             start_ticks: p.get("start_ticks")?.as_u64()?,
+            pidfs_ino: p.get("pidfs_ino").and_then(|v| v.as_u64()),
         },
     ))
 }

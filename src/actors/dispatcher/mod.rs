@@ -583,6 +583,7 @@ impl DispatcherActor {
             (Some(boot_id), Some(ticks)) => Some(Fingerprint {
                 boot_id: boot_id.to_string(),
                 start_ticks: ticks,
+                pidfs_ino: p.get("pidfs_ino").and_then(|v| v.as_u64()),
             }),
             // No fingerprint (a legacy row; a start that cannot fingerprint its child fails
             // now): never signalled by pid — but a WorkerActor of ours holds its pidfd.

@@ -154,6 +154,7 @@ fn silence_counts_only_while_a_supervisor_listened() {
         worker_pid: None,
         worker_boot_id: None,
         worker_start_ticks: None,
+        worker_pidfs_ino: None,
         exit_code: None,
         exit_signal: None,
         error: None,
