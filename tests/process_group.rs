@@ -448,3 +448,45 @@ fn end_token_carriers_succeeds_on_a_host_busy_starting_processes() {
         "the carrier outlived its end"
     );
 }
+
+/// A look for a run's token at a carrier that keeps forking away from its pid (each
+/// generation forks the next, which moves to a session of its own, and exits): a scan of
+/// `/proc` alone almost never finds it — each generation has moved on by the time the scan
+/// reads it — so the look also walks the pids handed out while it ran, and finds it every time.
+#[test]
+fn token_carried_sees_a_carrier_that_keeps_forking_away_from_its_pid() {
+    use runwarden::process::descendants::{pidfds_by_token, token_carried};
+    let token = format!("{:032x}", rand::random::<u128>());
+    let mut starter = ChildGuard::spawn(
+        Command::new("perl")
+            .args([
+                "-MPOSIX",
+                "-e",
+                "for (1..60000) { my $p = fork(); die unless defined $p; exit 0 if $p; POSIX::setsid() }",
+            ])
+            .env("RUNWARDEN_RUN_TOKEN", &token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+    .expect("perl (Debian's essential perl-base)");
+    let cleanup_token = token.clone();
+    // A scan alone misses such a chain: killed until a look that also walks the pids handed
+    // out meanwhile finds none.
+    let _cleanup = scopeguard(move || {
+        wait_until(SETTLE, || {
+            for fd in pidfds_by_token(&cleanup_token).unwrap_or_default() {
+                let _ = fd.signal(Signal::SIGKILL);
+            }
+            token_carried(&cleanup_token) == Some(false)
+        });
+    });
+    assert!(starter.wait().expect("the chain's first process").success());
+    for look in 0..20 {
+        assert_eq!(
+            token_carried(&token),
+            Some(true),
+            "look {look} missed the hopping carrier"
+        );
+    }
+}

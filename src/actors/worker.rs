@@ -94,8 +94,8 @@ fn tree_outlives_leader(pidfd: &PidFd, token: &str, young: bool) -> bool {
         || young
             .then(|| descendants::carrier_among_recent(pidfd.pid(), token))
             .flatten()
-            // A scan that cannot be complete counts as "outlives": the evidence is kept.
-            .unwrap_or_else(|| descendants::find_by_token(token).map_or(true, |c| !c.is_empty()))
+            // A look that cannot be complete counts as "outlives": the evidence is kept.
+            .unwrap_or_else(|| descendants::token_carried(token).unwrap_or(true))
 }
 
 /// [`tree_outlives_leader`] on a thread of its own ([`super::proc_thread`]), answered within
@@ -387,6 +387,13 @@ impl WorkerActor {
         ctx: &mut Context<Self>,
     ) {
         self.exit_recorded = true;
+        if self.tree_ending {
+            // Its tree is being ended (a Terminate): that end, not a probe, says when the tree
+            // is gone — it clears the evidence once it has proven so. A probe now could miss
+            // a descendant that keeps forking away from its pid, and let the task be claimed
+            // again beside it.
+            return self.record_exit_probed(pidfd, status, true, ctx);
+        }
         // Members left in the group: one syscall (signal 0 through the pidfd) — a /proc scan
         // on kernels before 6.9. Escapees of a young worker of ours are among the few pids
         // handed out since its start; any other — an older worker, one adopted from a previous
