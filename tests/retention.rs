@@ -274,9 +274,14 @@ fn a_running_supervisor_deletes_finished_tasks_and_their_files_after_the_keep_ti
         wait_until(SETTLE, || gone(&sup, hung)),
         "the hung task was never deleted after its worker was ended"
     );
-    let mut named = pruned_ids(&sup.all_events());
-    named.sort();
-    assert_eq!(named, vec![done, again, hung]);
+    // The newest `pruned` event names it; the earlier ones named the others, and go once they
+    // are older than the keep time themselves.
+    let named = pruned_ids(&sup.all_events());
+    assert_eq!(named.last(), Some(&hung), "{named:?}");
+    assert!(
+        named.iter().all(|id| [done, again, hung].contains(id)),
+        "{named:?}"
+    );
     assert!(!gone(&sup, blocked), "an unfinished task is never deleted");
     sup.shutdown();
 }
@@ -319,6 +324,45 @@ fn the_newest_ids_are_never_deleted_so_never_reused() {
     // Whatever comes next gets ids above everything ever handed out.
     let next = create(&mut tb, "next", T + 20);
     assert!(next > newer && newer > only, "{only} {newer} {next}");
+}
+
+/// A sweep's own `pruned` event goes as the tasks it named went, once older than the cutoff
+/// of a later sweep: retention bounds the board, not one row per sweep for ever. The newest
+/// `pruned` event (the one a restart reads) and every recent one stay.
+#[test]
+fn pruned_events_older_than_the_cutoff_leave_with_a_later_sweep() {
+    let mut tb = temp_board();
+    let keep = 10_000;
+    let sweep = |tb: &mut TempBoard, at: Millis| {
+        tb.board
+            .write(|tx| tx.prune_finished(at - keep, 100, u64::MAX, at))
+            .unwrap()
+    };
+    // Each sweep finds one old finished task (a newer one, with the newest run, exists: the
+    // newest ids are never deleted).
+    let mut swept = Vec::new();
+    for round in 0..5 {
+        let at = T + round * 4_000;
+        let old = done_at(&mut tb, "old", at - 2 * keep);
+        let newer = create(&mut tb, "newer", at - 1);
+        tb.board
+            .write(|tx| tx.claim_task(newer, "test", at - 1, LEASE_MS))
+            .unwrap();
+        assert_eq!(sweep(&mut tb, at), vec![old], "round {round}");
+        swept.push((at, old));
+    }
+    let events = all_events(&mut tb);
+    let pruned: Vec<&Event> = events.iter().filter(|e| e.kind == "pruned").collect();
+    // The last sweep ran at T + 16 000 with its cutoff at T + 6 000: the events of the sweeps
+    // at T and T + 4 000 are gone, those at T + 8 000, T + 12 000 and T + 16 000 stay.
+    let at: Vec<Millis> = pruned.iter().map(|e| e.at).collect();
+    assert_eq!(at, vec![T + 8_000, T + 12_000, T + 16_000], "{pruned:?}");
+    assert_eq!(pruned_ids(&events), vec![swept[2].1, swept[3].1, swept[4].1]);
+    assert_eq!(
+        tb.board.read(|tx| tx.last_pruned()).unwrap(),
+        vec![swept[4].1],
+        "the newest sweep's tasks are still known to the next start"
+    );
 }
 
 #[test]

@@ -40,7 +40,7 @@ impl Tx<'_> {
     /// (their log files and work directories are the caller's to remove). Records one `pruned`
     /// event naming them, written *before* the deletions: event ids are `max(id) + 1`, so the
     /// log's newest event must never be deleted, or an id a follower has seen would be handed
-    /// out again.
+    /// out again. Earlier `pruned` events older than `before` are deleted with them.
     pub fn prune_finished(
         &self,
         before: Millis,
@@ -66,13 +66,23 @@ impl Tx<'_> {
         if ids.is_empty() {
             return Ok(ids);
         }
-        self.append_event(
+        let event = self.append_event(
             None,
             None,
             "pruned",
             json!({ "tasks": ids, "before": before }),
             now,
         )?;
+        // Earlier sweeps' own events go as the tasks they named went: once older than the
+        // cutoff (else one row per sweep would stay for ever, and retention would not bound
+        // the board). Never this one: it is the newest event (see above), and `last_pruned`
+        // reads it.
+        self.conn
+            .prepare_cached(
+                "DELETE FROM task_events WHERE task_id IS NULL AND kind = 'pruned' \
+                 AND at < ?1 AND id < ?2",
+            )?
+            .execute(params![before, event])?;
         for sql in [
             "DELETE FROM task_events WHERE task_id = ?1",
             "DELETE FROM task_comments WHERE task_id = ?1",
