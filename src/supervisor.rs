@@ -244,6 +244,10 @@ async fn stop(services: &Services) {
     tracing::info!("supervisor stopped");
 }
 
+/// How long a blocking thread of the actor thread's runtime (the store's reads, file work,
+/// hooks) waits idle before it ends.
+const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Runs a supervisor on the calling thread until `shutdown` resolves, then stops gracefully.
 /// `ready` is called once the supervisor is up (with its services). It blocks its thread: call
 /// it from a thread of its own (a `spawn_blocking` one will do), never from async code running
@@ -260,20 +264,22 @@ where
     // The calling thread becomes the actor thread; it is put back as it was on return.
     let policy = crate::actors::schedule_this_thread(config.supervisor.scheduling, "actor");
     let data_dir = config.supervisor.data_dir.clone();
-    let system = if policy.is_some() {
-        System::with_tokio_rt(|| {
-            // actix's own runtime, but the blocking threads (hooks start there) would inherit
-            // SCHED_BATCH from this thread.
-            tokio::runtime::Builder::new_current_thread()
-                .enable_io()
-                .enable_time()
-                .on_thread_start(process::sched::undo_inherited_batch)
-                .build()
-                .expect("the actor thread's tokio runtime")
-        })
-    } else {
-        System::new()
-    };
+    let batch = policy.is_some();
+    let system = System::with_tokio_rt(move || {
+        // actix's own runtime (a current-thread one, with IO and time), but: a blocking
+        // thread idle for 2 s ends (tokio's 10 s would never come: the supervisor's own reads,
+        // a few a second, wake the idle threads in turn, so a burst's threads — one per
+        // concurrent read — stayed for good); and under batch scheduling the blocking threads
+        // (hooks start there) would inherit SCHED_BATCH from this thread.
+        let mut rt = tokio::runtime::Builder::new_current_thread();
+        rt.enable_io()
+            .enable_time()
+            .thread_keep_alive(BLOCKING_KEEP_ALIVE);
+        if batch {
+            rt.on_thread_start(process::sched::undo_inherited_batch);
+        }
+        rt.build().expect("the actor thread's tokio runtime")
+    });
     let result = system.block_on(async move {
         // Poll `shutdown` once BEFORE booting. A future that installs its signal handlers on
         // its first poll (as `serve`'s does) then has them in place for the whole boot: a

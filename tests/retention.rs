@@ -357,7 +357,10 @@ fn pruned_events_older_than_the_cutoff_leave_with_a_later_sweep() {
     // at T and T + 4 000 are gone, those at T + 8 000, T + 12 000 and T + 16 000 stay.
     let at: Vec<Millis> = pruned.iter().map(|e| e.at).collect();
     assert_eq!(at, vec![T + 8_000, T + 12_000, T + 16_000], "{pruned:?}");
-    assert_eq!(pruned_ids(&events), vec![swept[2].1, swept[3].1, swept[4].1]);
+    assert_eq!(
+        pruned_ids(&events),
+        vec![swept[2].1, swept[3].1, swept[4].1]
+    );
     assert_eq!(
         tb.board.read(|tx| tx.last_pruned()).unwrap(),
         vec![swept[4].1],

@@ -146,6 +146,10 @@ pub struct Store {
     /// (`show`, `ls`, `wait`, the sweeps) do not queue behind writes, nor — up to the pool's
     /// size — behind each other.
     readers: Arc<[Mutex<Board>]>,
+    /// One per reader: [`Store::read`]s beyond that wait here, not on a blocking thread each
+    /// (a burst of clients would otherwise start a thread per concurrent read, each building
+    /// its replies in an allocator arena of its own, only to wait for a connection).
+    read_slots: Arc<tokio::sync::Semaphore>,
     stats: Arc<Counters>,
 }
 
@@ -205,10 +209,17 @@ impl Store {
         F: FnOnce(&Tx<'_>) -> board::Result<T> + Send + 'static,
         T: Send + 'static,
     {
+        let Ok(slot) = self.read_slots.clone().acquire_owned().await else {
+            return Err(StoreError::stopped());
+        };
         let me = self.clone();
-        actix_rt::task::spawn_blocking(move || me.read_blocking(f))
-            .await
-            .unwrap_or_else(|_| Err(StoreError::stopped()))
+        actix_rt::task::spawn_blocking(move || {
+            // Held until the read is done, even if its caller went away meanwhile.
+            let _slot = slot;
+            me.read_blocking(f)
+        })
+        .await
+        .unwrap_or_else(|_| Err(StoreError::stopped()))
     }
 
     /// Forwards every event committed from now on, in id order, to `on_event` (which returns
@@ -359,6 +370,7 @@ impl StoreActor {
             jobs: jobs_tx,
             events,
             readers: readers.into(),
+            read_slots: Arc::new(tokio::sync::Semaphore::new(READERS)),
             stats,
         })
     }

@@ -267,6 +267,8 @@ pub struct DispatcherActor {
     chores_running: Arc<std::sync::atomic::AtomicBool>,
     retention: retention::Retention,
     last_promote_sweep: Option<std::time::Instant>,
+    /// When the tick's chores last gave the allocator's free memory back (see `trim_heap`).
+    last_heap_trim: Option<std::time::Instant>,
     /// Told once the first reconcile has decided about every run of a previous incarnation
     /// (adopted, held, or closing) — including the workers it found by their token, which a
     /// reconcile adopts once they are recorded: the control socket accepts only after that.
@@ -314,6 +316,7 @@ impl DispatcherActor {
             chores_running: Arc::default(),
             retention: retention::Retention::default(),
             last_promote_sweep: None,
+            last_heap_trim: None,
             first_reconcile: None,
             first_followups: 0,
         }
@@ -688,6 +691,12 @@ impl DispatcherActor {
             return; // The previous round is still running: skip this one (see the field).
         }
         let running = ClearOnDrop(self.chores_running.clone());
+        let trim = self
+            .last_heap_trim
+            .is_none_or(|t| t.elapsed() >= HEAP_TRIM_EVERY);
+        if trim {
+            self.last_heap_trim = Some(std::time::Instant::now());
+        }
         // Without the subreaper role no orphan is ours, and the host's own children must be
         // left to the host.
         let subreaper = self.config.supervisor.subreaper;
@@ -724,7 +733,27 @@ impl DispatcherActor {
             for log in logs {
                 spawn::rotate_if_needed(&log, max_log);
             }
+            if trim {
+                trim_heap();
+            }
         });
+    }
+}
+
+/// How often the tick's chores give the allocator's free memory back.
+const HEAP_TRIM_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Gives the memory the allocator holds free back to the system (glibc's `malloc_trim`). Reads
+/// run on the runtime's blocking threads, each with an allocator arena of its own; a burst of
+/// large replies (many clients paging through the event log at once) leaves every arena at its
+/// peak, and glibc returns little of it by itself: the supervisor's resident size would only
+/// ever grow with its busiest moment (measured: 10 → 130 MB after four bursts of 100 clients,
+/// 3 MB of it in use). A few milliseconds every 10 s.
+fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes no pointer and is safe to call from any thread at any time.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 
