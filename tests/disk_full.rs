@@ -186,6 +186,17 @@ impl SmallDisk {
         r["result"]["id"].as_i64().expect("an id")
     }
 
+    /// Waits (up to 10 s) until the task's first run has its worker's pid on record.
+    fn wait_worker(&mut self, task: i64) {
+        assert!(
+            common::proc_guard::wait_until(std::time::Duration::from_secs(10), || self.show(task)
+                ["result"]["runs"][0]["worker_pid"]
+                .is_i64()),
+            "the worker never started: {}",
+            self.show(task)
+        );
+    }
+
     /// The task as `show_task` answers.
     fn show(&mut self, task: i64) -> serde_json::Value {
         self.c
@@ -255,13 +266,7 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
         |gates| format!("{}; exit 0", SmallDisk::gate(gates, "exit")),
     );
     let task = sd.add_w("exits while the disk is full");
-    assert!(
-        common::proc_guard::wait_until(Duration::from_secs(10), || sd.show(task)["result"]["runs"]
-            [0]["worker_pid"]
-            .is_i64()),
-        "the worker never started: {}",
-        sd.show(task)
-    );
+    sd.wait_worker(task);
 
     let filler = sd.data.join("filler");
     assert!(fill(&filler) > 0, "the filler wrote nothing");
@@ -515,13 +520,7 @@ fn a_workers_report_refused_by_a_full_disk_lands_once_there_is_room() {
         )
     });
     let task = sd.add_w("reports while the disk is full");
-    assert!(
-        common::proc_guard::wait_until(Duration::from_secs(10), || sd.show(task)["result"]["runs"]
-            [0]["worker_pid"]
-            .is_i64()),
-        "the worker never started: {}",
-        sd.show(task)
-    );
+    sd.wait_worker(task);
     let filler = sd.data.join("filler");
     assert!(fill(&filler) > 0, "the filler wrote nothing");
     sd.open("report");

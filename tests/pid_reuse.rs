@@ -15,8 +15,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::board::{
-    GRACE, KILL_TIMEOUT, RecordingSignaller, assert_evidence_cleared, completed_with_worker,
-    events_of, kinds, run, sleeper, still_running, temp_board,
+    GRACE, KILL_TIMEOUT, RecordingSignaller, TempBoard, assert_evidence_cleared,
+    completed_with_worker, events_of, kinds, run, sleeper, still_running, temp_board,
 };
 use common::proc_guard::ChildGuard;
 use runwarden::board::{now_millis, reap_terminal_workers};
@@ -92,6 +92,18 @@ fn recycle(target: Pid, mut last: Pid) -> Result<Recycled, String> {
     }
 }
 
+/// The terminal reaper's sweep just after the grace of a run closed at `ended_at`.
+fn reap_after_grace(tb: &mut TempBoard, signaller: &RecordingSignaller, ended_at: i64) -> Vec<i64> {
+    reap_terminal_workers(
+        &mut tb.board,
+        signaller,
+        ended_at + GRACE.as_millis() as i64 + 1,
+        GRACE,
+        KILL_TIMEOUT,
+    )
+    .unwrap()
+}
+
 #[test]
 fn recycled_pid_is_never_signalled_and_its_evidence_is_cleared() {
     let mut tb = temp_board();
@@ -131,14 +143,7 @@ fn recycled_pid_is_never_signalled_and_its_evidence_is_cleared() {
     assert_eq!(liveness(target, &fp), Liveness::Dead(DeadReason::Recycled));
 
     let signaller = RecordingSignaller::default();
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + GRACE.as_millis() as i64 + 1,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let reaped = reap_after_grace(&mut tb, &signaller, ended_at);
 
     assert_eq!(reaped, Vec::<i64>::new());
     assert_eq!(signaller.sent(), vec![], "the stranger was signalled");
@@ -296,14 +301,7 @@ fn a_stranger_given_the_workers_pid_in_its_clock_tick_is_told_apart_by_its_pidfs
     let ended_at = now_millis();
     let (task, run_id) = completed_with_worker(&mut tb.board, "finished", pid, Some(&fp), ended_at);
     let signaller = RecordingSignaller::default();
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &signaller,
-        ended_at + GRACE.as_millis() as i64 + 1,
-        GRACE,
-        KILL_TIMEOUT,
-    )
-    .unwrap();
+    let reaped = reap_after_grace(&mut tb, &signaller, ended_at);
     assert_eq!(reaped, Vec::<i64>::new());
     assert_eq!(signaller.sent(), vec![], "the stranger was signalled");
     assert!(
