@@ -755,6 +755,11 @@ fn a_field_given_twice_or_a_malformed_value_is_refused_saying_what_is_wrong() {
             r#"{"id":10,"op":"status","id":11}"#,
             serde_json::Value::Null,
         ),
+        // Also when another field was given twice first.
+        (
+            r#"{"id":10,"op":"status","op":"x","id":11}"#,
+            serde_json::Value::Null,
+        ),
     ] {
         let r = c.call(line);
         assert_eq!(error_code(&r), "bad_request", "{line}: {r}");

@@ -551,7 +551,11 @@ fn archive_and_reclaim_close_the_run_then_end_the_worker_group() {
     let spawned = sup.wait_events(reclaimed, "worker_spawned", 2, SETTLE);
     let (_, fp) = worker_identity(&spawned[1]).unwrap();
     assert!(
-        groups[1].iter().all(|p| p.fingerprint != fp),
+        // Boot id and start time: a process found by a scan has no pidfs inode to compare.
+        groups[1]
+            .iter()
+            .all(|p| (&p.fingerprint.boot_id, p.fingerprint.start_ticks)
+                != (&fp.boot_id, fp.start_ticks)),
         "the new run's worker is a new process: {fp:?} in {:?}",
         groups[1]
     );

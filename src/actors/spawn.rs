@@ -1118,10 +1118,16 @@ mod tests {
         let read = process::fingerprint(child.pid).unwrap();
         assert_eq!(child.fingerprint.start_ticks, read.start_ticks);
         assert_eq!(child.fingerprint.boot_id, read.boot_id);
-        assert_eq!(
-            child.fingerprint.pidfs_ino,
-            child.pidfd.pidfs_ino().unwrap()
+        // A pidfd opened anew names the same process: the same inode (Linux >= 6.9 has pidfs).
+        let again = process::PidFd::open(child.pid)
+            .unwrap()
+            .pidfs_ino()
+            .unwrap();
+        assert!(
+            again.is_some(),
+            "pidfds are not pidfs inodes here (Linux < 6.9?)"
         );
+        assert_eq!(child.fingerprint.pidfs_ino, again);
         assert!(exits_and_is_reaped(&child.pidfd));
         process::owned::unregister(child.pid);
     }

@@ -500,6 +500,7 @@ const DUPLICATE: &str = "duplicate field";
 /// given twice.
 struct UniqueKeys {
     fields: Map<String, Value>,
+    /// The first key given twice; `"id"` whenever the id is one of them.
     twice: Option<String>,
 }
 
@@ -520,7 +521,12 @@ impl<'de> Deserialize<'de> for UniqueKeys {
                 while let Some(key) = map.next_key::<String>()? {
                     let value: Value = map.next_value()?;
                     if fields.contains_key(&key) {
-                        twice.get_or_insert(key);
+                        // An id given twice wins: the answer must not carry either of them.
+                        if key == "id" {
+                            twice = Some(key);
+                        } else {
+                            twice.get_or_insert(key);
+                        }
                     } else {
                         fields.insert(key, value);
                     }

@@ -47,18 +47,23 @@ pub fn find_by_token(token: &str) -> Result<Vec<(Pid, Fingerprint)>, ProcessErro
 /// Whether any process carries the run's token: a scan of `/proc`, and when it finds none,
 /// the pids handed out while it ran, one by one (a process forking away from its pid can put
 /// its child where the scan had already passed, and exit before its own turn came; see
-/// `end_carriers`). `None` when that cannot be told (an unreadable environment, `/proc` or
-/// `ns_last_pid` unreadable, the numbering gone round): callers take it as "carried".
+/// `end_carriers`). Where `ns_last_pid` cannot be read (a kernel without checkpoint/restore)
+/// the scan is all there is, as for `end_carriers`. `None` when it cannot be told (an
+/// unreadable environment, `/proc` unreadable, the numbering gone round): callers take it as
+/// "carried".
 pub fn token_carried(token: &str) -> Option<bool> {
     if token.is_empty() {
         return Some(false);
     }
     let needle = needle(token);
-    let since = last_pid()?;
+    let since = last_pid();
     if !find_by_needle(&needle).ok()?.is_empty() {
         return Some(true);
     }
-    carrier_among_since(since, &needle, Pid::MAX as usize)
+    match since {
+        Some(since) => carrier_among_since(since, &needle, Pid::MAX as usize),
+        None => Some(false),
+    }
 }
 
 /// [`find_by_token`] for any `VAR=value` entry of the environment.

@@ -254,8 +254,6 @@ impl AsRawFd for PidFd {
     }
 }
 
-/// poll(2) takes milliseconds as an i32: round up (so a sub-millisecond rest still sleeps rather
-/// than spinning) and clamp (the caller loops until the real deadline).
 /// `PIDFS_MAGIC` (include/uapi/linux/magic.h), the `f_type` of a pidfd's file system.
 const PIDFS_MAGIC: i64 = 0x5049_4446;
 
@@ -306,6 +304,8 @@ pub(crate) fn pidfs_verdict(pid: Pid, expected: &Fingerprint) -> Option<Liveness
     }
 }
 
+/// poll(2) takes milliseconds as an i32: round up (so a sub-millisecond rest still sleeps rather
+/// than spinning) and clamp (the caller loops until the real deadline).
 fn poll_millis(left: Duration) -> i32 {
     let micros = left.as_micros();
     i32::try_from(micros.div_ceil(1000)).unwrap_or(i32::MAX)
