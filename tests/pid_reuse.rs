@@ -248,20 +248,11 @@ impl Drop for Paused {
     }
 }
 
-/// A worker and a stranger given its pid within the same clock tick: the same boot id and
-/// start time, so only the pidfs inode the worker's fingerprint carries tells them apart. The
-/// stranger must not be taken for the worker (not alive as it, never signalled by the reaper).
-/// Placing the pid takes root (clone3's `set_tid`), as CI runs.
-#[test]
-fn a_stranger_given_the_workers_pid_in_its_clock_tick_is_told_apart_by_its_pidfs_inode() {
-    let mut tb = temp_board();
-    let mut attempts = 0;
-    let (stranger, fp) = loop {
-        attempts += 1;
-        assert!(
-            attempts <= 200,
-            "no stranger started in its worker's clock tick in 200 attempts"
-        );
+/// A worker (its fingerprint with its pidfs inode) that exited and was reaped, and a stranger
+/// given its pid within the worker's clock tick: the same boot id and start time. Placing the
+/// pid takes root (clone3's `set_tid`), as CI runs; Linux >= 6.9 for the inode.
+fn same_tick_stranger() -> (Paused, Fingerprint) {
+    for attempt in 1..=200 {
         let worker = Paused::start(None).expect("start a worker");
         let pid = worker.pid();
         let mut fp = fingerprint(pid).expect("the worker's fingerprint");
@@ -278,12 +269,25 @@ fn a_stranger_given_the_workers_pid_in_its_clock_tick_is_told_apart_by_its_pidfs
             Err(e) => panic!("clone3 with set_tid (needs root): {e}"),
         };
         match fingerprint(pid) {
-            Ok(now) if now.start_ticks == fp.start_ticks => break (stranger, fp),
+            Ok(now) if now.start_ticks == fp.start_ticks => {
+                println!("stranger at pid {pid} in its worker's tick after {attempt} attempt(s)");
+                return (stranger, fp);
+            }
             _ => continue, // The next tick: try again.
         }
-    };
+    }
+    panic!("no stranger started in its worker's clock tick in 200 attempts");
+}
+
+/// A worker and a stranger given its pid within the same clock tick: the same boot id and
+/// start time, so only the pidfs inode the worker's fingerprint carries tells them apart. The
+/// stranger must not be taken for the worker (not alive as it, never signalled by the reaper).
+/// Placing the pid takes root (clone3's `set_tid`), as CI runs.
+#[test]
+fn a_stranger_given_the_workers_pid_in_its_clock_tick_is_told_apart_by_its_pidfs_inode() {
+    let mut tb = temp_board();
+    let (stranger, fp) = same_tick_stranger();
     let pid = stranger.pid();
-    println!("stranger at pid {pid} in its worker's tick after {attempts} attempt(s)");
     // Without the inode the start time alone cannot tell: the stranger passes for the worker.
     let by_start_time = Fingerprint {
         pidfs_ino: None,
@@ -311,4 +315,32 @@ fn a_stranger_given_the_workers_pid_in_its_clock_tick_is_told_apart_by_its_pidfs
     assert_evidence_cleared(&run(&mut tb.board, run_id), pid);
     let events = events_of(&mut tb.board, task, "terminal_worker_pid_recycled");
     assert_eq!(events.len(), 1, "{:?}", kinds(&mut tb.board, task));
+}
+
+/// The stranger of [`same_tick_stranger`] exits and stays a zombie: its exit status is not
+/// lent to the worker whose fingerprint (start time and all) it matches but for the inode.
+#[test]
+fn a_zombie_given_the_workers_pid_in_its_clock_tick_does_not_lend_its_exit_status() {
+    use runwarden::process::ExitStatus;
+    use runwarden::process::exit_status::of_zombie;
+    let (stranger, fp) = same_tick_stranger();
+    let pid = stranger.pid();
+    stranger
+        .pidfd
+        .signal(Signal::SIGKILL)
+        .expect("kill the stranger");
+    assert!(
+        stranger.pidfd.wait_exit(Duration::from_secs(10)).unwrap(),
+        "the stranger did not exit"
+    );
+    // Unreaped: a zombie. By start time alone it would pass for the worker's exit.
+    let by_start_time = Fingerprint {
+        pidfs_ino: None,
+        ..fp.clone()
+    };
+    assert_eq!(
+        of_zombie(pid, &by_start_time),
+        Some(ExitStatus::Signal(libc::SIGKILL))
+    );
+    assert_eq!(of_zombie(pid, &fp), None, "the stranger's status was lent");
 }

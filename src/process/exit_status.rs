@@ -81,6 +81,14 @@ fn from_zombie(pid: Pid, fp: &Fingerprint) -> Zombie {
     if stat.start_ticks != fp.start_ticks {
         return Zombie::Gone;
     }
+    // The same start time may be another process's, given the pid within the same clock tick:
+    // the pidfs inode, when recorded, says (the pid names our process now, so it did at the
+    // stat read: a zombie holds its pid until it is reaped).
+    match super::pidfd::pidfs_verdict(pid, fp) {
+        None => {}
+        Some(super::Liveness::Unknown(_)) => return Zombie::Untold,
+        Some(_) => return Zombie::Gone,
+    }
     if !stat.is_zombie() || !readable || !field_52_is_the_process_status() {
         return Zombie::Untold;
     }
