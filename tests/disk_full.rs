@@ -186,6 +186,15 @@ impl SmallDisk {
         r["result"]["id"].as_i64().expect("an id")
     }
 
+    /// The task's log file and its backup.
+    fn log_files(&self, task: i64) -> (PathBuf, PathBuf) {
+        let logs = self.data.join("logs");
+        (
+            logs.join(format!("{task}.log")),
+            logs.join(format!("{task}.log.1")),
+        )
+    }
+
     /// Waits (up to 10 s) until the task's first run has its worker's pid on record.
     fn wait_worker(&mut self, task: i64) {
         assert!(
@@ -313,8 +322,7 @@ fn a_log_that_filled_the_disk_is_cut_and_the_disk_has_room_again() {
     });
     let task = sd.add_w("chatty");
     let data = sd.data.clone();
-    let log = data.join("logs").join(format!("{task}.log"));
-    let backup = data.join("logs").join(format!("{task}.log.1"));
+    let (log, backup) = sd.log_files(task);
     assert!(
         common::proc_guard::wait_until(Duration::from_secs(10), || {
             fs::metadata(&backup).is_ok_and(|m| m.len() == 524288)
@@ -450,8 +458,7 @@ fn a_log_barely_over_its_bound_on_a_disk_filled_by_others_keeps_its_lines() {
     });
     let task = sd.add_w("a bit over");
     let data = sd.data.clone();
-    let log = data.join("logs").join(format!("{task}.log"));
-    let backup = data.join("logs").join(format!("{task}.log.1"));
+    let (log, backup) = sd.log_files(task);
     let size = || fs::metadata(&log).map_or(0, |m| m.len());
     let backup_of = |byte: u8| {
         fs::read(&backup).is_ok_and(|b| b.len() == 524288 && b.iter().all(|&x| x == byte))

@@ -436,10 +436,9 @@ impl ReaperActor {
             }
             return;
         }
-        let (Some(pid), Some(boot_id), Some(ticks)) = (
+        let (Some(pid), Some(fingerprint)) = (
             run.worker_pid.and_then(|p| i32::try_from(p).ok()),
-            run.worker_boot_id,
-            run.worker_start_ticks.and_then(|t| u64::try_from(t).ok()),
+            run.fingerprint(),
         ) else {
             return; // No fingerprint: never signalled by pid.
         };
@@ -448,11 +447,7 @@ impl ReaperActor {
                 run_id: run.id,
                 task_id: run.task_id,
                 pid,
-                fingerprint: Fingerprint {
-                    boot_id,
-                    start_ticks: ticks,
-                    pidfs_ino: run.worker_pidfs_ino.map(|i| i as u64),
-                },
+                fingerprint,
                 ended_at: run.ended_at.unwrap_or(run.started_at),
                 token: Some(run.token),
                 outcome: run.outcome,
