@@ -13,6 +13,8 @@ mod common;
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::board::{
@@ -20,13 +22,14 @@ use common::board::{
     assert_evidence_kept, assert_no_reaper_event, completed_with_worker, events_of,
     exits_within_settle, group_leader, kinds, run, sleeper, still_running, temp_board,
 };
-use common::proc_guard::wait_until;
+use common::lifecycle::{seen, wait_pid_file};
+use common::proc_guard::{ChildGuard, wait_until};
 use runwarden::board::{
     self, BoardError, Claim, DispatchOptions, NewTask, TaskStatus, now_millis,
     reap_terminal_workers,
 };
 use runwarden::process::{
-    DeadReason, Fingerprint, Liveness, PidfdSignaller, Signal, Signaller, group_alive,
+    DeadReason, Fingerprint, Liveness, PidfdSignaller, Signal, Signaller, fingerprint, group_alive,
     group_members, liveness, read_stat,
 };
 
@@ -481,4 +484,104 @@ fn zombie_leader_with_live_members_is_reaped_not_forgotten() {
         1
     );
     assert!(exits_within_settle(&mut leader));
+}
+
+/// A leftover tree (a previous incarnation's worker, now the sweep's) whose leader ignores
+/// SIGTERM and whose escapee (`setsid`, found by the run's token) does not: the escapee gets its
+/// SIGTERM with the group's, while the leader still runs, not once the group is gone a whole
+/// `kill_timeout` later; and it gets one.
+#[test]
+fn a_leftover_trees_escapee_gets_its_sigterm_with_the_group() {
+    let mut tb = temp_board();
+    let dir = tb.dir.path().to_path_buf();
+    let started = now_millis() - 1000;
+    let Claim {
+        task_id: task,
+        run_id,
+        token,
+        ..
+    } = tb
+        .board
+        .write(|tx| {
+            let task = tx
+                .create_task(&NewTask::titled("tree").for_assignee("coder"), started)?
+                .id;
+            tx.claim_task(task, "test-claimer", started, LEASE_MS)
+        })
+        .expect("create and claim");
+    // The escapee starts before the leader ignores SIGTERM (a disposition ignored on entry
+    // cannot be trapped by sh). On SIGTERM it writes the leader's state, and leaves.
+    let script = r#"L=$$; export L
+setsid sh -c 'trap "grep ^State: /proc/$L/status >> term; exit 0" TERM; echo $$ > esc.tmp; mv esc.tmp esc; while :; do sleep 0.05 & wait $!; done' &
+trap '' TERM; while :; do sleep 0.05; done"#;
+    let mut leader = ChildGuard::spawn(
+        Command::new("sh")
+            .args(["-c", script])
+            .current_dir(&dir)
+            .env("RUNWARDEN_RUN_TOKEN", &token)
+            .stdin(Stdio::null())
+            .process_group(0),
+    )
+    .expect("spawn the leader");
+    let pid = leader.pid();
+    let fp = fingerprint(pid).expect("the leader's fingerprint");
+    let escapee = seen(wait_pid_file(&dir.join("esc"), SETTLE));
+    let _pin = escapee.pin();
+    assert!(
+        wait_until(SETTLE, || ignores_sigterm(pid)),
+        "the leader never ignored SIGTERM"
+    );
+    let ended_at = now_millis();
+    tb.board
+        .write(|tx| {
+            tx.set_worker(run_id, pid, Some(&fp), None, started)?;
+            tx.complete_task(task, Some(run_id), Some("done"), ended_at)
+        })
+        .expect("record the worker and complete");
+
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &PidfdSignaller,
+        ended_at + 600_000,
+        GRACE,
+        Duration::from_secs(2),
+    )
+    .unwrap();
+
+    assert_eq!(reaped, vec![task]);
+    let term = std::fs::read_to_string(dir.join("term")).unwrap_or_default();
+    let states: Vec<&str> = term.lines().collect();
+    assert_eq!(
+        states.len(),
+        1,
+        "the escapee got one SIGTERM while the leader's /proc entry was there: {term:?}"
+    );
+    assert!(
+        !states[0].contains("zombie"),
+        "the escapee got its SIGTERM only once the leader was dead: {term:?}"
+    );
+    assert!(!escapee.alive(), "{escapee:?} outlived the reap");
+    assert!(exits_within_settle(&mut leader), "the leader survived");
+    let status = leader.try_wait().unwrap().expect("reaped above");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(Signal::SIGKILL as i32),
+        "the leader ignores SIGTERM"
+    );
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pid);
+    let reaped_ev = events_of(&mut tb.board, task, "terminal_worker_reaped");
+    assert_eq!(reaped_ev.len(), 1);
+    assert_eq!(reaped_ev[0].payload["ended_by"], "sigkill");
+}
+
+/// True once `pid`'s status shows SIGTERM ignored (SigIgn, bit 15).
+fn ignores_sigterm(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("SigIgn:"))
+                .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        })
+        .is_some_and(|mask| mask & (1 << (libc::SIGTERM - 1)) != 0)
 }

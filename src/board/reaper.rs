@@ -13,7 +13,7 @@ use serde_json::json;
 use super::types::{Millis, RunId, RunOutcome, TaskId};
 use super::{Board, Result, Tx};
 use crate::process::descendants::CarriersEnded;
-use crate::process::{self, DeadReason, Ended, Fingerprint, Liveness, Signaller};
+use crate::process::{self, Begun, DeadReason, Ended, Fingerprint, Liveness, Signaller};
 
 /// A closed run that still holds worker evidence and whose grace has passed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -209,30 +209,43 @@ pub fn reap_one(
     signaller: &dyn Signaller,
     kill_timeout: Duration,
 ) -> std::result::Result<Reap, process::ProcessError> {
-    // `terminate` verifies identity itself (through a pidfd) and signals nothing that is not
-    // provably the recorded process; a zombie leader with live group members is still ended.
-    let verdict = match process::terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
+    // `begin_terminate` verifies identity itself (through a pidfd) and signals nothing that is
+    // not provably the recorded process; a zombie leader with live group members is still ended.
+    // Descendants that left the group (setsid) carry the run's token, and outlive a leader
+    // already reaped by its parent.
+    let token = c.token.as_deref();
+    let (verdict, escapees) =
+        match process::begin_terminate(signaller, c.pid, &c.fingerprint, kill_timeout)? {
+            // The leader's SIGTERM is out: its escapees get theirs now, and one deadline for
+            // the whole tree.
+            Begun::Signalled(leader) => match token {
+                Some(token) => {
+                    let (ended, carriers) = process::descendants::finish_tree_end(leader, token)?;
+                    (verdict_of(ended), Some(carriers))
+                }
+                None => (verdict_of(leader.finish()?), None),
+            },
+            Begun::NotOurs(l) => {
+                let verdict = verdict_for(l);
+                // Not for Unknown: nothing is decided about that run. One that survives
+                // SIGKILL fails the row: its evidence stays, the next sweep retries.
+                let escapees = match token {
+                    Some(token) if !matches!(verdict, ReapVerdict::Unknown(_)) => Some(
+                        process::descendants::end_token_carriers(token, kill_timeout)?,
+                    ),
+                    _ => None,
+                };
+                (verdict, escapees)
+            }
+        };
+    Ok(Reap { verdict, escapees })
+}
+
+fn verdict_of(ended: Ended) -> ReapVerdict {
+    match ended {
         Ended::NotOurs(l) => verdict_for(l),
         how => ReapVerdict::Reaped(how),
-    };
-    // Descendants that left the group (setsid) outlive a leader already reaped by its parent;
-    // they still carry the run's token. (Not for Unknown: nothing is decided about that run.)
-    let mut reap = Reap {
-        verdict,
-        escapees: None,
-    };
-    if let Some(token) = &c.token
-        && !matches!(reap.verdict, ReapVerdict::Unknown(_))
-    {
-        // One that survives SIGKILL fails the row: its evidence stays, the next sweep retries.
-        let carriers = process::descendants::end_token_carriers(token, kill_timeout)?;
-        // The tree needed SIGKILL if any of it did.
-        if carriers.sigkill && matches!(reap.verdict, ReapVerdict::Reaped(Ended::Sigterm)) {
-            reap.verdict = ReapVerdict::Reaped(Ended::Sigkill);
-        }
-        reap.escapees = Some(carriers);
     }
-    Ok(reap)
 }
 
 fn verdict_for(l: Liveness) -> ReapVerdict {

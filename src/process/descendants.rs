@@ -787,6 +787,43 @@ pub fn terminate_tree(
     }
 }
 
+/// The rest of a run's end for a leader that [`super::begin_terminate`] has just sent its
+/// SIGTERM (to the group its pid numbers, and to it where it left that group): every process
+/// carrying the run's token outside that group gets its SIGTERM now, once, and the group and
+/// they share the one deadline before SIGKILL — as [`terminate_tree`] does for a worker we own.
+/// (Ended one after the other, a stubborn tree took `kill_timeout` twice, and its escapees got
+/// their SIGTERM only once the group was gone.) Blocking. The leader's end says `Sigkill` when
+/// anything of the tree needed SIGKILL; errors as for [`terminate_tree`].
+pub fn finish_tree_end(
+    leader: super::Terminating<'_>,
+    token: &str,
+) -> Result<(super::Ended, CarriersEnded), super::ProcessError> {
+    let deadline = leader.deadline();
+    let (found, incomplete) = match pidfds_by_token(token) {
+        Ok(found) => (found, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    // The leader had its SIGTERM from the signaller, wherever it is now: it is waited for as a
+    // carrier (a late look must know it), not signalled as one.
+    let (leader_fd, others): (Vec<_>, Vec<_>) =
+        found.into_iter().partition(|fd| fd.pid() == leader.pid());
+    signal_carriers_once(&others, super::Signal::SIGTERM, Some(leader.pid()));
+    let ended = leader.finish();
+    let carriers = end_carriers(
+        others.into_iter().chain(leader_fd).collect(),
+        &needle(token),
+        deadline,
+    )?;
+    if let Some(e) = incomplete {
+        return Err(e);
+    }
+    let ended = match ended? {
+        super::Ended::Sigterm if carriers.sigkill => super::Ended::Sigkill,
+        how => how,
+    };
+    Ok((ended, carriers))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -52,8 +52,8 @@ pub use liveness::{DeadReason, Liveness, group_alive, group_members, liveness};
 pub use pidfd::{ExitStatus, PidFd, Verified, open_verified};
 pub(crate) use signal::AFTER_SIGKILL;
 pub use signal::{
-    Ended, PidfdSignaller, Sent, Signaller, deadline_after, finish_group_end, terminate,
-    terminate_group,
+    Begun, Ended, PidfdSignaller, Sent, Signaller, Terminating, begin_terminate, deadline_after,
+    finish_group_end, terminate, terminate_group,
 };
 pub use stat::{ProcStat, parse_stat, read_stat};
 pub use subreaper::{Subreaper, become_subreaper, own_children, reap_orphans, reap_orphans_among};

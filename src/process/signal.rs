@@ -125,63 +125,104 @@ pub fn terminate(
     expected: &Fingerprint,
     kill_timeout: Duration,
 ) -> Result<Ended, ProcessError> {
+    match begin_terminate(signaller, pid, expected, kill_timeout)? {
+        Begun::Signalled(terminating) => terminating.finish(),
+        Begun::NotOurs(verdict) => Ok(Ended::NotOurs(verdict)),
+    }
+}
+
+/// The first half of [`terminate`]: verifies the process and sends its SIGTERM. A caller that
+/// ends more than the group (a run's escaped descendants) sends theirs before waiting, so the
+/// whole tree shares one deadline (see `descendants::finish_tree_end`).
+pub fn begin_terminate<'a>(
+    signaller: &'a dyn Signaller,
+    pid: Pid,
+    expected: &'a Fingerprint,
+    kill_timeout: Duration,
+) -> Result<Begun<'a>, ProcessError> {
     // Our own verified pidfd, for waiting: it keeps naming the process (and its group) even if
     // the pid is reaped and reused while we wait.
     let (pidfd, stat) = match open_checked(pid, expected)? {
         Checked::Ours { pidfd, stat } => (pidfd, stat),
-        Checked::NotOurs(verdict) => return Ok(Ended::NotOurs(verdict)),
+        Checked::NotOurs(verdict) => return Ok(Begun::NotOurs(verdict)),
     };
-    let target = Target {
+    let target = Terminating {
         signaller,
         pid,
         expected,
-        pidfd: &pidfd,
         // One that left the group it led, with members behind, is not ended before they are
         // (as far as can be told: a group that cannot be checked is not waited for).
         leads_group: stat.pgrp == pid || pidfd.group_exists().unwrap_or(false),
+        pidfd,
+        deadline: deadline_after(kill_timeout),
+        kill_timeout,
     };
-    let deadline = deadline_after(kill_timeout);
-
-    if let Some(verdict) = target.deliver(Signal::SIGTERM)? {
+    Ok(match target.deliver(Signal::SIGTERM)? {
+        None => Begun::Signalled(target),
         // It ended (or became unverifiable) between our check and the signaller's.
-        return Ok(Ended::NotOurs(verdict));
-    }
-    if target.wait_ended(deadline)? {
-        return Ok(Ended::Sigterm);
-    }
-    tracing::info!(
-        pid,
-        ?kill_timeout,
-        "still running after SIGTERM; sending SIGKILL"
-    );
-    Ok(match target.deliver(Signal::SIGKILL)? {
-        // "Ended" must mean gone: the caller clears the run's evidence on it, which makes the
-        // task claimable again.
-        None if target.wait_ended(deadline_after(AFTER_SIGKILL))? => Ended::Sigkill,
-        None => {
-            return Err(ProcessError::SurvivedSigkill {
-                pid,
-                after: AFTER_SIGKILL,
-            });
-        }
-        // Proven gone just as the timeout ran out: SIGKILL was not needed after all.
-        Some(Liveness::Dead(_)) => Ended::Sigterm,
-        Some(verdict) => Ended::NotOurs(verdict),
+        Some(verdict) => Begun::NotOurs(verdict),
     })
 }
 
-/// What [`terminate`] works on.
-struct Target<'a> {
+/// What [`begin_terminate`] did.
+pub enum Begun<'a> {
+    /// SIGTERM went out (to the group its pid names, and to it where it left that group).
+    Signalled(Terminating<'a>),
+    /// Not provably our process: nothing was signalled; carries the verdict.
+    NotOurs(Liveness),
+}
+
+/// A [`terminate`] whose SIGTERM has gone out.
+pub struct Terminating<'a> {
     signaller: &'a dyn Signaller,
     pid: Pid,
     expected: &'a Fingerprint,
-    pidfd: &'a PidFd,
+    pidfd: PidFd,
     /// The group its pid names (the one it was started to lead) is to be ended with it: it
     /// leads it, or left it with members behind.
     leads_group: bool,
+    deadline: Instant,
+    kill_timeout: Duration,
 }
 
-impl Target<'_> {
+impl Terminating<'_> {
+    /// The process being ended; its SIGTERM went to the group this pid numbers.
+    pub fn pid(&self) -> Pid {
+        self.pid
+    }
+
+    /// When SIGKILL follows: `kill_timeout` after the SIGTERM.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Waits until the deadline for the process (and its group) to be gone, then SIGKILLs
+    /// what is left and waits for that to be gone too.
+    pub fn finish(self) -> Result<Ended, ProcessError> {
+        if self.wait_ended(self.deadline)? {
+            return Ok(Ended::Sigterm);
+        }
+        tracing::info!(
+            pid = self.pid,
+            kill_timeout = ?self.kill_timeout,
+            "still running after SIGTERM; sending SIGKILL"
+        );
+        Ok(match self.deliver(Signal::SIGKILL)? {
+            // "Ended" must mean gone: the caller clears the run's evidence on it, which makes the
+            // task claimable again.
+            None if self.wait_ended(deadline_after(AFTER_SIGKILL))? => Ended::Sigkill,
+            None => {
+                return Err(ProcessError::SurvivedSigkill {
+                    pid: self.pid,
+                    after: AFTER_SIGKILL,
+                });
+            }
+            // Proven gone just as the timeout ran out: SIGKILL was not needed after all.
+            Some(Liveness::Dead(_)) => Ended::Sigterm,
+            Some(verdict) => Ended::NotOurs(verdict),
+        })
+    }
+
     /// Sends `sig`; `Some(verdict)` if nothing of ours was left to receive it.
     fn deliver(&self, sig: Signal) -> Result<Option<Liveness>, ProcessError> {
         let verdict = match self.signaller.send(self.pid, self.expected, sig)? {
@@ -190,8 +231,8 @@ impl Target<'_> {
         };
         // The leader is provably gone (reaped, maybe its pid reused), but the group our pidfd
         // pins may live on. An Unknown verdict is not acted upon: nothing is proven then.
-        if self.leads_group && matches!(verdict, Liveness::Dead(_)) && !group_gone(self.pidfd)? {
-            return Ok(match self.signaller.send_group(self.pidfd, sig)? {
+        if self.leads_group && matches!(verdict, Liveness::Dead(_)) && !group_gone(&self.pidfd)? {
+            return Ok(match self.signaller.send_group(&self.pidfd, sig)? {
                 Sent::Delivered => None,
                 Sent::NotOurs(verdict) => Some(verdict),
             });
@@ -205,7 +246,7 @@ impl Target<'_> {
         if !exited || !self.leads_group {
             return Ok(exited);
         }
-        wait_group_gone(self.pidfd, deadline)
+        wait_group_gone(&self.pidfd, deadline)
     }
 }
 
