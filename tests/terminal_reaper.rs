@@ -29,8 +29,8 @@ use runwarden::board::{
     reap_terminal_workers,
 };
 use runwarden::process::{
-    DeadReason, Fingerprint, Liveness, PidfdSignaller, Signal, Signaller, fingerprint, group_alive,
-    group_members, liveness, read_stat,
+    DeadReason, Fingerprint, Liveness, PidFd, PidfdSignaller, ProcessError, Sent, Signal,
+    Signaller, fingerprint, group_alive, group_members, liveness, read_stat,
 };
 
 const GRACE_MS: i64 = GRACE.as_millis() as i64;
@@ -494,35 +494,13 @@ fn zombie_leader_with_live_members_is_reaped_not_forgotten() {
 fn a_leftover_trees_escapee_gets_its_sigterm_with_the_group() {
     let mut tb = temp_board();
     let dir = tb.dir.path().to_path_buf();
-    let started = now_millis() - 1000;
-    let Claim {
-        task_id: task,
-        run_id,
-        token,
-        ..
-    } = tb
-        .board
-        .write(|tx| {
-            let task = tx
-                .create_task(&NewTask::titled("tree").for_assignee("coder"), started)?
-                .id;
-            tx.claim_task(task, "test-claimer", started, LEASE_MS)
-        })
-        .expect("create and claim");
+    let (task, run_id, token) = claimed(&mut tb);
     // The escapee starts before the leader ignores SIGTERM (a disposition ignored on entry
     // cannot be trapped by sh). On SIGTERM it writes the leader's state, and leaves.
     let script = r#"L=$$; export L
 setsid sh -c 'trap "grep ^State: /proc/$L/status >> term; exit 0" TERM; echo $$ > esc.tmp; mv esc.tmp esc; while :; do sleep 0.05 & wait $!; done' &
 trap '' TERM; while :; do sleep 0.05; done"#;
-    let mut leader = ChildGuard::spawn(
-        Command::new("sh")
-            .args(["-c", script])
-            .current_dir(&dir)
-            .env("RUNWARDEN_RUN_TOKEN", &token)
-            .stdin(Stdio::null())
-            .process_group(0),
-    )
-    .expect("spawn the leader");
+    let mut leader = run_leader("sh", "-c", script, &dir, &token);
     let pid = leader.pid();
     let fp = fingerprint(pid).expect("the leader's fingerprint");
     let escapee = seen(wait_pid_file(&dir.join("esc"), SETTLE));
@@ -532,12 +510,7 @@ trap '' TERM; while :; do sleep 0.05; done"#;
         "the leader never ignored SIGTERM"
     );
     let ended_at = now_millis();
-    tb.board
-        .write(|tx| {
-            tx.set_worker(run_id, pid, Some(&fp), None, started)?;
-            tx.complete_task(task, Some(run_id), Some("done"), ended_at)
-        })
-        .expect("record the worker and complete");
+    close_with_worker(&mut tb, task, run_id, pid, &fp, ended_at);
 
     let reaped = reap_terminal_workers(
         &mut tb.board,
@@ -584,4 +557,217 @@ fn ignores_sigterm(pid: i32) -> bool {
                 .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
         })
         .is_some_and(|mask| mask & (1 << (libc::SIGTERM - 1)) != 0)
+}
+
+/// A leader that left its group for one its own (token-carrying) child leads: the reaper's
+/// signaller gives it its SIGTERM where it is, and the child's group is then not signalled as
+/// a whole, which would give the leader a second one. Each gets one.
+#[test]
+fn a_leader_in_a_group_its_child_leads_gets_one_sigterm() {
+    let mut tb = temp_board();
+    let dir = tb.dir.path().to_path_buf();
+    let (task, run_id, token) = claimed(&mut tb);
+    // Each counts its SIGTERMs and ignores them; `ready` once its trap is set.
+    let counter = |name: &str| {
+        format!(
+            "trap 'echo TERM >> {name}.terms' TERM; : > {name}.ready; while :; do sleep 0.05 & wait $!; done"
+        )
+    };
+    let script = format!(
+        r#"my $c = fork // die;
+if (!$c) {{ setpgrp(0, 0) or die; exec "sh", "-c", q({child}) or die }}
+select(undef, undef, undef, 0.01) until -e "child.ready";
+setpgrp(0, $c) or die "join: $!";
+exec "sh", "-c", q({leader}) or die"#,
+        child = counter("child"),
+        leader = counter("leader"),
+    );
+    let mut leader = run_leader("perl", "-e", &script, &dir, &token);
+    let pid = leader.pid();
+    let fp = fingerprint(pid).expect("the leader's fingerprint");
+    assert!(
+        wait_until(SETTLE, || dir.join("leader.ready").exists()),
+        "the leader never set its trap"
+    );
+    let child_group = read_stat(pid).expect("the leader's stat").pgrp;
+    assert_ne!(
+        child_group, pid,
+        "the leader never moved to its child's group"
+    );
+    let child = seen(child_group);
+    let _pin = child.pin();
+    let ended_at = now_millis();
+    close_with_worker(&mut tb, task, run_id, pid, &fp, ended_at);
+
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &PidfdSignaller,
+        ended_at + 600_000,
+        GRACE,
+        Duration::from_millis(700),
+    )
+    .unwrap();
+
+    assert_eq!(reaped, vec![task]);
+    assert!(exits_within_settle(&mut leader), "the leader survived");
+    assert!(!child.alive(), "{child:?} outlived the reap");
+    for name in ["leader", "child"] {
+        let terms = std::fs::read_to_string(dir.join(format!("{name}.terms"))).unwrap_or_default();
+        assert_eq!(terms.lines().count(), 1, "the {name}'s SIGTERMs: {terms:?}");
+    }
+}
+
+/// Passes SIGTERM on and refuses SIGKILL (a broken kill path).
+struct KillRefused(RecordingSignaller);
+
+impl Signaller for KillRefused {
+    fn send(&self, pid: i32, expected: &Fingerprint, sig: Signal) -> Result<Sent, ProcessError> {
+        if sig == Signal::SIGKILL {
+            return Err(ProcessError::Io {
+                pid,
+                what: "pidfd_send_signal (injected failure)",
+                source: std::io::Error::other("boom"),
+            });
+        }
+        self.0.send(pid, expected, sig)
+    }
+
+    fn send_group(&self, leader: &PidFd, sig: Signal) -> Result<Sent, ProcessError> {
+        self.send(leader.pid(), &fingerprint(leader.pid())?, sig)
+    }
+}
+
+/// The leader and its group are the signaller's: when it refuses their SIGKILL, nothing else
+/// kills them behind its back (and off the record). The run keeps its evidence, and the next
+/// sweep ends them and says so. The escapee outside the group is ended with the first sweep.
+#[test]
+fn a_refused_sigkill_leaves_the_leader_and_its_group_to_the_next_sweep() {
+    let mut tb = temp_board();
+    let dir = tb.dir.path().to_path_buf();
+    let (task, run_id, token) = claimed(&mut tb);
+    let script = r#"setsid sh -c 'trap "" TERM; echo $$ > esc.tmp; mv esc.tmp esc; while :; do sleep 0.05; done' &
+trap '' TERM; sleep 120 & : > ready; while :; do sleep 0.05; done"#;
+    let mut leader = run_leader("sh", "-c", script, &dir, &token);
+    let pid = leader.pid();
+    let fp = fingerprint(pid).expect("the leader's fingerprint");
+    let escapee = seen(wait_pid_file(&dir.join("esc"), SETTLE));
+    let _pin = escapee.pin();
+    assert!(
+        wait_until(SETTLE, || dir.join("ready").exists()),
+        "the leader never got going"
+    );
+    let member = *group_members(pid)
+        .iter()
+        .find(|&&m| cmdline_is(m, "sleep 120"))
+        .expect("the group's sleep 120");
+    let ended_at = now_millis();
+    close_with_worker(&mut tb, task, run_id, pid, &fp, ended_at);
+
+    let refusing = KillRefused(RecordingSignaller::default());
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &refusing,
+        ended_at + 600_000,
+        GRACE,
+        Duration::from_millis(500),
+    )
+    .unwrap();
+
+    assert_eq!(reaped, Vec::<i64>::new(), "the end failed");
+    assert_eq!(refusing.0.sent(), vec![(pid, Signal::SIGTERM)]);
+    assert!(
+        still_running(&mut leader),
+        "the leader was killed off the signaller"
+    );
+    assert!(
+        matches!(
+            liveness(member, &fingerprint(member).unwrap()),
+            Liveness::Alive
+        ),
+        "the group's member was killed off the signaller"
+    );
+    assert!(
+        wait_until(SETTLE, || !escapee.alive()),
+        "{escapee:?} outside the group outlived the sweep"
+    );
+    assert_evidence_kept(&run(&mut tb.board, run_id), pid, Some(&fp));
+
+    let reaped = reap_terminal_workers(
+        &mut tb.board,
+        &PidfdSignaller,
+        ended_at + 600_000,
+        GRACE,
+        Duration::from_millis(500),
+    )
+    .unwrap();
+    assert_eq!(reaped, vec![task]);
+    assert!(exits_within_settle(&mut leader), "the leader survived");
+    assert!(
+        wait_until(SETTLE, || !group_alive(pid)),
+        "the group survived"
+    );
+    assert_evidence_cleared(&run(&mut tb.board, run_id), pid);
+    let reaped_ev = events_of(&mut tb.board, task, "terminal_worker_reaped");
+    assert_eq!(reaped_ev.len(), 1);
+    assert_eq!(reaped_ev[0].payload["ended_by"], "sigkill");
+}
+
+/// A task for `coder`, claimed a second ago: its id, its run's and the run's token.
+fn claimed(tb: &mut common::board::TempBoard) -> (i64, i64, String) {
+    let started = now_millis() - 1000;
+    let Claim {
+        task_id,
+        run_id,
+        token,
+        ..
+    } = tb
+        .board
+        .write(|tx| {
+            let task = tx
+                .create_task(&NewTask::titled("tree").for_assignee("coder"), started)?
+                .id;
+            tx.claim_task(task, "test-claimer", started, LEASE_MS)
+        })
+        .expect("create and claim");
+    (task_id, run_id, token)
+}
+
+/// Records `pid` as the run's worker and closes the run (completed) at `ended_at`.
+fn close_with_worker(
+    tb: &mut common::board::TempBoard,
+    task: i64,
+    run_id: i64,
+    pid: i32,
+    fp: &Fingerprint,
+    ended_at: i64,
+) {
+    tb.board
+        .write(|tx| {
+            tx.set_worker(run_id, pid, Some(fp), None, ended_at - 500)?;
+            tx.complete_task(task, Some(run_id), Some("done"), ended_at)
+        })
+        .expect("record the worker and complete");
+}
+
+/// `program flag script` in `dir`, leading a process group of its own, with the run's token.
+fn run_leader(
+    program: &str,
+    flag: &str,
+    script: &str,
+    dir: &std::path::Path,
+    token: &str,
+) -> ChildGuard {
+    ChildGuard::spawn(
+        Command::new(program)
+            .args([flag, script])
+            .current_dir(dir)
+            .env("RUNWARDEN_RUN_TOKEN", token)
+            .stdin(Stdio::null())
+            .process_group(0),
+    )
+    .expect("spawn the leader")
+}
+
+fn cmdline_is(pid: i32, want: &str) -> bool {
+    common::lifecycle::cmdline(pid) == want
 }

@@ -564,8 +564,8 @@ pub fn end_token_carriers(
 ) -> Result<CarriersEnded, super::ProcessError> {
     let deadline = super::deadline_after(kill_timeout);
     let carriers = pidfds_by_token(token)?;
-    signal_carriers_once(&carriers, super::Signal::SIGTERM, None);
-    end_carriers(carriers, &needle(token), deadline)
+    signal_carriers_once(&carriers, super::Signal::SIGTERM, Signalled::default());
+    end_carriers(carriers, &needle(token), deadline, &[])
 }
 
 /// What [`end_token_carriers`] ended.
@@ -588,43 +588,58 @@ pub fn end_hook_carriers(token: &str, kill_timeout: Duration) -> Result<usize, P
     let needle = hook_needle(token);
     let deadline = super::deadline_after(kill_timeout);
     let carriers = pidfds_by_needle(&needle)?;
-    signal_carriers_once(&carriers, super::Signal::SIGTERM, None);
-    Ok(end_carriers(carriers, &needle, deadline)?.count)
+    signal_carriers_once(&carriers, super::Signal::SIGTERM, Signalled::default());
+    Ok(end_carriers(carriers, &needle, deadline, &[])?.count)
 }
 
 /// Sends `sig` to each carrier once: to its whole group when it leads one (its members are
-/// then not signalled again on their own), else to it alone. Members of `signalled_group` (a
-/// group the caller has just signalled) are passed over. A second SIGTERM is not harmless:
+/// then not signalled again on their own), else to it alone. What the caller has just
+/// signalled itself is passed over (see [`Signalled`]). A second SIGTERM is not harmless:
 /// many programs take it as "stop now, skip the clean-up".
-fn signal_carriers_once(
-    carriers: &[super::PidFd],
-    sig: super::Signal,
-    signalled_group: Option<Pid>,
-) {
+fn signal_carriers_once(carriers: &[super::PidFd], sig: super::Signal, done: Signalled) {
     let groups_of: Vec<Option<Pid>> = carriers
         .iter()
         .map(|fd| super::read_stat(fd.pid()).ok().map(|s| s.pgrp))
         .collect();
-    let mut signalled: std::collections::HashSet<Pid> = signalled_group.into_iter().collect();
-    // Leaders first: their groups take their members with them.
+    let mut signalled: std::collections::HashSet<Pid> = done.group.into_iter().collect();
+    // Leaders first: their groups take their members with them — but not a group the process
+    // already signalled is in: its other members get theirs one by one.
     for (fd, group) in carriers.iter().zip(&groups_of) {
-        if *group == Some(fd.pid()) && signalled.insert(fd.pid()) {
+        if *group == Some(fd.pid())
+            && done.process_group != Some(fd.pid())
+            && signalled.insert(fd.pid())
+        {
             let _ = fd.signal_group(sig);
         }
     }
     for (fd, group) in carriers.iter().zip(&groups_of) {
-        if !group.is_some_and(|g| signalled.contains(&g)) {
+        if Some(fd.pid()) != done.process && !group.is_some_and(|g| signalled.contains(&g)) {
             let _ = fd.signal(sig);
         }
     }
 }
 
+/// What a caller of [`signal_carriers_once`] has just signalled itself.
+#[derive(Debug, Clone, Copy, Default)]
+struct Signalled {
+    /// A whole group: its members are passed over.
+    group: Option<Pid>,
+    /// One process, passed over wherever it is now ...
+    process: Option<Pid>,
+    /// ... and the group it is in now (a carrier's, say), which is then not signalled as a
+    /// whole: that would reach it again.
+    process_group: Option<Pid>,
+}
+
 /// The rest of [`end_token_carriers`] for carriers already sent SIGTERM: waits for them until
-/// `deadline`, SIGKILLs those still there, and any carrier that appeared meanwhile.
+/// `deadline`, SIGKILLs those still there, and any carrier that appeared meanwhile. Carriers
+/// in `not_mine` are someone else's to end (the caller's signaller): never signalled here,
+/// and never taken for new ones while they run.
 fn end_carriers(
     carriers: Vec<super::PidFd>,
     needle: &[u8],
     deadline: Instant,
+    not_mine: &[super::PidFd],
 ) -> Result<CarriersEnded, super::ProcessError> {
     let mut killed = Vec::new();
     for fd in &carriers {
@@ -647,9 +662,9 @@ fn end_carriers(
     };
     let late: Vec<super::PidFd> = pidfds_by_needle(needle)?
         .into_iter()
-        .filter(|fd| !known(fd, &carriers))
+        .filter(|fd| !known(fd, &carriers) && !known(fd, not_mine))
         .collect();
-    signal_carriers_once(&late, super::Signal::SIGTERM, None);
+    signal_carriers_once(&late, super::Signal::SIGTERM, Signalled::default());
     for fd in &late {
         let left = deadline.saturating_duration_since(Instant::now());
         if !fd.wait_exit(left).unwrap_or(false) {
@@ -670,7 +685,12 @@ fn end_carriers(
         let since = last_pid();
         let found: Vec<super::PidFd> = pidfds_by_needle(needle)?
             .into_iter()
-            .filter(|fd| !known(fd, &carriers) && !known(fd, &late) && !known(fd, &last))
+            .filter(|fd| {
+                !known(fd, &carriers)
+                    && !known(fd, &late)
+                    && !known(fd, &last)
+                    && !known(fd, not_mine)
+            })
             .collect();
         let Some(first) = found.first() else {
             // A look that finds nothing proves the tree gone only if no carrier was started
@@ -766,7 +786,10 @@ pub fn terminate_tree(
     signal_carriers_once(
         &others,
         super::Signal::SIGTERM,
-        group_signalled.then(|| leader.pid()),
+        Signalled {
+            group: group_signalled.then(|| leader.pid()),
+            ..Signalled::default()
+        },
     );
     let stragglers: Vec<_> = others.into_iter().chain(leader_fd).collect();
     let ended = if group_signalled {
@@ -777,7 +800,7 @@ pub fn terminate_tree(
     };
     // Their SIGTERM went out with the group's: one deadline for both. A straggler still there
     // after SIGKILL fails the whole end, as a group member would.
-    let carriers = end_carriers(stragglers, &needle(token), deadline)?;
+    let carriers = end_carriers(stragglers, &needle(token), deadline, &[])?;
     if let Some(e) = incomplete {
         return Err(e);
     }
@@ -792,28 +815,47 @@ pub fn terminate_tree(
 /// carrying the run's token outside that group gets its SIGTERM now, once, and the group and
 /// they share the one deadline before SIGKILL — as [`terminate_tree`] does for a worker we own.
 /// (Ended one after the other, a stubborn tree took `kill_timeout` twice, and its escapees got
-/// their SIGTERM only once the group was gone.) Blocking. The leader's end says `Sigkill` when
-/// anything of the tree needed SIGKILL; errors as for [`terminate_tree`].
+/// their SIGTERM only once the group was gone.) The leader and its group stay the signaller's
+/// ([`super::Terminating::finish`]): nothing here signals them, even when their end fails —
+/// the run then keeps its evidence, and the next sweep ends and records them. Blocking. The
+/// leader's end says `Sigkill` when anything of the tree needed SIGKILL; errors as for
+/// [`terminate_tree`].
 pub fn finish_tree_end(
     leader: super::Terminating<'_>,
     token: &str,
 ) -> Result<(super::Ended, CarriersEnded), super::ProcessError> {
     let deadline = leader.deadline();
+    let pid = leader.pid();
     let (found, incomplete) = match pidfds_by_token(token) {
         Ok(found) => (found, None),
         Err(e) => (Vec::new(), Some(e)),
     };
-    // The leader had its SIGTERM from the signaller, wherever it is now: it is waited for as a
-    // carrier (a late look must know it), not signalled as one.
-    let (leader_fd, others): (Vec<_>, Vec<_>) =
-        found.into_iter().partition(|fd| fd.pid() == leader.pid());
-    signal_carriers_once(&others, super::Signal::SIGTERM, Some(leader.pid()));
+    let in_group = |fd: &super::PidFd| super::read_stat(fd.pid()).is_ok_and(|s| s.pgrp == pid);
+    let (signallers, others): (Vec<_>, Vec<_>) = found
+        .into_iter()
+        .partition(|fd| fd.pid() == pid || in_group(fd));
+    // The group it may have moved to since (a carrier's): not signalled as a whole.
+    let now_in = super::read_stat(pid).ok().map(|s| s.pgrp);
+    let done = Signalled {
+        group: Some(pid),
+        process: Some(pid),
+        process_group: now_in.filter(|&g| g != pid),
+    };
+    signal_carriers_once(&others, super::Signal::SIGTERM, done);
     let ended = leader.finish();
-    let carriers = end_carriers(
-        others.into_iter().chain(leader_fd).collect(),
-        &needle(token),
-        deadline,
-    )?;
+    let carriers = end_carriers(others, &needle(token), deadline, &signallers);
+    if let (Err(_), Ok(c)) | (Ok(super::Ended::NotOurs(_)), Ok(c)) = (&ended, &carriers)
+        && c.count > 0
+    {
+        // Not on the board (the run's verdict is not decided yet): said here.
+        tracing::warn!(
+            pid,
+            carriers = c.count,
+            sigkill = c.sigkill,
+            "ended a closed run's escaped processes; its leader's own end is left to the next sweep"
+        );
+    }
+    let carriers = carriers?;
     if let Some(e) = incomplete {
         return Err(e);
     }
