@@ -88,6 +88,33 @@ impl BoardError {
     }
 }
 
+/// The board holds every run's secret token: readable by its owner only. (SQLite gives the
+/// -wal and -shm files the database file's permissions when it makes them; ones already there
+/// are narrowed too.) A file of another user's is left as it is, said in the log.
+fn restrict_to_owner(path: &Path) {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mut names = vec![path.to_path_buf()];
+    for suffix in ["-wal", "-shm"] {
+        let mut name = path.as_os_str().to_owned();
+        name.push(suffix);
+        names.push(name.into());
+    }
+    for file in names {
+        let Ok(meta) = std::fs::symlink_metadata(&file) else {
+            continue;
+        };
+        let mode = meta.mode() & 0o7777;
+        if !meta.is_file() || mode & 0o077 == 0 {
+            continue;
+        }
+        let narrowed = mode & 0o700;
+        match std::fs::set_permissions(&file, std::fs::Permissions::from_mode(narrowed)) {
+            Ok(()) => tracing::info!(path = %file.display(), from = format!("{mode:o}"), to = format!("{narrowed:o}"), "board file was readable by others; made the owner's alone (it holds run tokens)"),
+            Err(e) => tracing::warn!(path = %file.display(), mode = format!("{mode:o}"), error = %e, "cannot restrict the board's permissions"),
+        }
+    }
+}
+
 fn is_disk_full(e: &rusqlite::Error) -> bool {
     matches!(e, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull)
 }
@@ -163,14 +190,15 @@ impl Board {
                 | OpenFlags::SQLITE_OPEN_NO_MUTEX
         };
         let fresh = !opts.read_only && !path.exists();
+        if !opts.read_only && !fresh {
+            // A board copied into place (a restore from a backup, which `sqlite3 .backup`
+            // writes under the umask) may be readable by others: made the owner's alone before
+            // SQLite opens it, so the -wal and -shm it makes get the same mode.
+            restrict_to_owner(path);
+        }
         let mut conn = Connection::open_with_flags(path, flags).map_err(wrap)?;
         if fresh {
-            // The board holds every run's secret token: readable by its owner only. (SQLite
-            // gives the -wal and -shm files the database file's permissions.)
-            use std::os::unix::fs::PermissionsExt;
-            if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
-                tracing::warn!(path = %path.display(), error = %e, "cannot restrict the board's permissions");
-            }
+            restrict_to_owner(path);
         }
         conn.busy_timeout(BUSY_TIMEOUT).map_err(wrap)?;
         // Every statement is prepared through the cache; the default of 16 is fewer than the
@@ -535,6 +563,39 @@ impl<'a> Tx<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A board restored from a backup written under the umask (0644), with a -wal left from
+    /// it: both are the owner's alone once a supervisor opens them, and so is the -shm SQLite
+    /// then makes. Read-only opens (the CLI's `logs`, say) change nothing.
+    #[test]
+    fn a_board_readable_by_others_is_made_the_owners_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("board.db");
+        drop(Board::open(&path).unwrap());
+        let wal = dir.path().join("board.db-wal");
+        std::fs::write(&wal, b"").unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        for p in [&path, &wal] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        drop(
+            Board::open_with(
+                &path,
+                OpenOptions {
+                    read_only: true,
+                    ..OpenOptions::default()
+                },
+            )
+            .unwrap(),
+        );
+        assert_eq!(mode(&path), 0o644, "a read-only open changes nothing");
+        let board = Board::open(&path).unwrap();
+        assert_eq!(mode(&path), 0o600);
+        assert_eq!(mode(&wal), 0o600);
+        assert_eq!(mode(&dir.path().join("board.db-shm")), 0o600);
+        drop(board);
+    }
 
     /// A board that has room for only a few more pages.
     fn nearly_full() -> (tempfile::TempDir, Board) {
