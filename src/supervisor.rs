@@ -127,6 +127,11 @@ fn can_switch_users(config: &Config) -> Result<(), SupervisorError> {
 fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     // A loaded config was checked at load; one built in code (embedding) is checked here.
     config.validate()?;
+    if process::sigchld::children_reaped_by_kernel().unwrap_or(false) {
+        return Err(SupervisorError::Runtime(
+            "SIGCHLD is ignored in this process (SIG_IGN or SA_NOCLDWAIT): the kernel would reap every worker at once and its exit status would be lost; give SIGCHLD its default action before starting a supervisor".into(),
+        ));
+    }
     can_switch_users(&config)?;
     let data_dir_is_ours = crate::data_dir::create_dirs(&config)?;
     // After create_dirs: a working directory inside the data dir may be one of ours.

@@ -109,8 +109,12 @@ fn restrict_to_owner(path: &Path) {
         }
         let narrowed = mode & 0o700;
         match std::fs::set_permissions(&file, std::fs::Permissions::from_mode(narrowed)) {
-            Ok(()) => tracing::info!(path = %file.display(), from = format!("{mode:o}"), to = format!("{narrowed:o}"), "board file was readable by others; made the owner's alone (it holds run tokens)"),
-            Err(e) => tracing::warn!(path = %file.display(), mode = format!("{mode:o}"), error = %e, "cannot restrict the board's permissions"),
+            Ok(()) => {
+                tracing::info!(path = %file.display(), from = format!("{mode:o}"), to = format!("{narrowed:o}"), "board file was readable by others; made the owner's alone (it holds run tokens)")
+            }
+            Err(e) => {
+                tracing::warn!(path = %file.display(), mode = format!("{mode:o}"), error = %e, "cannot restrict the board's permissions")
+            }
         }
     }
 }

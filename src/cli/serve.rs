@@ -20,6 +20,18 @@ pub fn serve(cli: &Cli) -> Result<(), CliError> {
     if marked != 0 {
         tracing::debug!(error = %std::io::Error::last_os_error(), "cannot mark inherited descriptors close-on-exec");
     }
+    // An ignored SIGCHLD survives exec: a launcher that had it (some shells' `nohup` wrappers,
+    // a program that set it for its own children) would have every worker's exit status lost.
+    if crate::process::sigchld::children_reaped_by_kernel().unwrap_or(false) {
+        match crate::process::sigchld::restore_default_sigchld() {
+            Ok(()) => {
+                tracing::info!("SIGCHLD was ignored (inherited); given its default action back")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "SIGCHLD is ignored and cannot be given its default action back")
+            }
+        }
+    }
     let config = load_config(cli)?;
     let shutdown = async {
         use tokio::signal::unix::{SignalKind, signal};

@@ -26,7 +26,7 @@
 //! `subreaper` adopts and reaps orphans; `descendants` finds what escaped a worker's group;
 //! `owned` tracks the children whose owners reap them; `exit_status` reads how a process that
 //! is not our child (an adopted worker) ended; `sched` sets the scheduling policy of
-//! the supervisor's own threads.
+//! the supervisor's own threads; `sigchld` tells whether the kernel reaps our children itself.
 
 pub mod clone_exec;
 pub mod descendants;
@@ -37,6 +37,7 @@ mod liveness;
 pub mod owned;
 mod pidfd;
 pub mod sched;
+pub mod sigchld;
 mod signal;
 mod stat;
 mod subreaper;

@@ -320,6 +320,24 @@ impl Serve {
         env: &[(&str, &str)],
         stderr: Stdio,
     ) -> Serve {
+        Serve::start_prepared(config, log_name, env, stderr, |_| {})
+    }
+
+    /// [`Serve::start`] with `prepare` applied to its command last (a `pre_exec`, say).
+    pub fn start_with(config: &Path, log_name: &str, prepare: impl FnOnce(&mut Command)) -> Serve {
+        let dir = config.parent().expect("config has a parent dir");
+        let stderr =
+            fs::File::create(dir.join(format!("{log_name}.stderr"))).expect("create stderr file");
+        Serve::start_prepared(config, log_name, &[], stderr.into(), prepare)
+    }
+
+    fn start_prepared(
+        config: &Path,
+        log_name: &str,
+        env: &[(&str, &str)],
+        stderr: Stdio,
+        prepare: impl FnOnce(&mut Command),
+    ) -> Serve {
         let dir = config.parent().expect("config has a parent dir");
         let stderr_path = dir.join(format!("{log_name}.stderr"));
         let stdout_path = dir.join(format!("{log_name}.stdout"));
@@ -339,6 +357,7 @@ impl Serve {
             }
         }
         cmd.envs(env.iter().copied());
+        prepare(&mut cmd);
         // Registered as owned, for good: an in-process supervisor of another test in this
         // binary makes the process a subreaper that reaps the zombies of children it does not
         // own, and would take this one's exit status from under `wait_exit`.
