@@ -176,6 +176,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
             })
             .ok()
     };
+    disown_a_copys_workers(&config)?;
     let config = Arc::new(config);
     let store = StoreActor::start_on(
         config.db_path(),
@@ -330,6 +331,37 @@ where
     });
     drop(policy);
     result
+}
+
+/// Records this data dir as the board's home, and disowns every worker on the board when a
+/// supervisor of another data dir served it before in this boot (see `board::home`): before
+/// the reaper's first sweep and the first reconcile, so none of them is adopted or signalled.
+fn disown_a_copys_workers(config: &Config) -> Result<(), SupervisorError> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = &config.supervisor.data_dir;
+    let meta = std::fs::metadata(dir).map_err(|source| SupervisorError::Dir {
+        path: dir.clone(),
+        source,
+    })?;
+    let home = format!("{}:{}", meta.dev(), meta.ino());
+    let boot = process::boot_id().map_err(|e| SupervisorError::Runtime(e.to_string()))?;
+    let mut board = crate::board::Board::open(&config.db_path())?;
+    let disowned = board.write(|tx| {
+        let now = crate::board::now_millis();
+        match tx.take_home(&boot, &home, now)? {
+            Some(before) => Ok(Some((before.clone(), tx.disown_workers(&before, now)?))),
+            None => Ok(None),
+        }
+    })?;
+    if let Some((before, runs)) = disowned {
+        tracing::warn!(
+            data_dir = %dir.display(),
+            served_before_from = %before,
+            runs,
+            "this board was served from another data dir earlier in this boot (a copy of a board in use?): its workers are not adopted or signalled, and its open runs close as lost"
+        );
+    }
+    Ok(())
 }
 
 /// An in-process supervisor, for embedding.

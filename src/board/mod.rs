@@ -9,6 +9,7 @@
 
 mod dispatch;
 mod events;
+mod home;
 mod prune;
 mod reads;
 mod reaper;

@@ -44,7 +44,7 @@ impl RecordedExit {
 }
 
 /// A run's secret: 128 random bits as 32 lowercase hex digits.
-fn new_token() -> String {
+pub(super) fn new_token() -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut bytes = [0u8; 16];
     rand::thread_rng().fill_bytes(&mut bytes);

@@ -182,6 +182,18 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE task_runs ADD COLUMN worker_pidfs_ino INTEGER;
     "#,
+    // v10: the data dir whose supervisor serves the board (its device and inode) and the boot
+    // it did so in: a board copied into another data dir on the same boot (a backup served to
+    // read it, a build tried on a copy) must not take the original's live workers for its own
+    // (see home.rs).
+    r#"
+    CREATE TABLE board_home (
+        id       INTEGER PRIMARY KEY CHECK (id = 1),
+        boot_id  TEXT NOT NULL,
+        data_dir TEXT NOT NULL,
+        at       INTEGER NOT NULL
+    );
+    "#,
 ];
 
 /// The schema version this build writes.

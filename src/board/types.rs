@@ -353,7 +353,7 @@ pub struct Failure {
 
 /// Every event kind the board writes (docs/lifecycle.md lists what each means). Hooks are
 /// checked against it at load, so `on = ["gaveup"]` is refused instead of never firing.
-pub const EVENT_KINDS: [&str; 27] = [
+pub const EVENT_KINDS: [&str; 28] = [
     "created",
     "linked",
     "commented",
@@ -362,6 +362,7 @@ pub const EVENT_KINDS: [&str; 27] = [
     "claimed",
     "worker_spawned",
     "worker_adopted",
+    "worker_disowned",
     "worker_found",
     "heartbeat",
     "worker_exited",
