@@ -285,3 +285,53 @@ fn a_worker_whose_assignee_left_the_config_is_still_adopted_and_ended_at_its_max
     );
     second.stop_cleanly(Signal::SIGTERM);
 }
+
+/// `shutdown = "terminate"` at once after a start (a SIGTERM during boot, an embedding
+/// program's immediate shutdown) still ends the previous incarnation's workers: the stop waits
+/// for the first reconcile to adopt them, then releases their runs (not a failure) and ends
+/// them. Before, the stop came first and the adopted worker was left running.
+#[test]
+fn a_terminating_stop_right_after_the_start_ends_the_previous_incarnations_workers() {
+    use common::runtime::{lib_config, wait_worker};
+    use runwarden::Supervisor;
+    use runwarden::config::{AssigneeConfig, ShutdownMode};
+    let td = TestDir::new();
+    let config = |mode| {
+        let mut c = lib_config(&td);
+        c.supervisor.shutdown = mode;
+        c.assignees
+            .insert("slow".into(), AssigneeConfig::new(["sleep", "300"]));
+        c
+    };
+    let first = Supervisor::start(config(ShutdownMode::Leave)).expect("first start");
+    let task = first
+        .add_task(NewTask::titled("slow").for_assignee("slow"))
+        .expect("add")
+        .id;
+    let (pid, fp) = wait_worker(&first, task);
+    let worker = WorkerGuard::pin(pid, &fp);
+    first.shutdown();
+    assert!(worker.alive(), "shutdown = \"leave\" left it running");
+
+    Supervisor::start(config(ShutdownMode::Terminate))
+        .expect("second start")
+        .shutdown();
+    assert!(
+        worker.wait_dead(SETTLE).is_some(),
+        "the adopted worker {pid} outlived the terminating stop"
+    );
+    let mut db = Db::new(td.db_path());
+    let found = db.get_task(task);
+    assert_eq!(
+        found.status,
+        TaskStatus::Ready,
+        "released: {}",
+        db.history(task)
+    );
+    assert_eq!(
+        found.consecutive_failures,
+        0,
+        "not a failure: {}",
+        db.history(task)
+    );
+}

@@ -273,6 +273,9 @@ pub struct DispatcherActor {
     /// (adopted, held, or closing) — including the workers it found by their token, which a
     /// reconcile adopts once they are recorded: the control socket accepts only after that.
     first_reconcile: Option<tokio::sync::oneshot::Sender<()>>,
+    /// True once the first reconcile is done (as `first_reconcile` is told): a `terminate`
+    /// stop waits for it, or the workers it adopts after would be left running.
+    reconciled_once: tokio::sync::watch::Sender<bool>,
     /// Found workers whose record (or release) is still being written.
     first_followups: usize,
 }
@@ -318,6 +321,7 @@ impl DispatcherActor {
             last_promote_sweep: None,
             last_heap_trim: None,
             first_reconcile: None,
+            reconciled_once: tokio::sync::watch::Sender::new(false),
             first_followups: 0,
         }
     }
@@ -917,22 +921,48 @@ impl Handler<StopDispatching> for DispatcherActor {
         self.accepting = false;
         self.accepting_flag
             .store(false, std::sync::atomic::Ordering::Release);
-        if self.workers.is_empty() {
-            return Box::pin(async {}.into_actor(self));
-        }
         let kill = self.config.reaper.kill_timeout;
-        let addrs: Vec<(RunId, Addr<WorkerActor>)> = self
-            .workers
+        if !msg.terminate {
+            let addrs = self.worker_addrs();
+            return Box::pin(settle(addrs, stop_bound(kill)).into_actor(self));
+        }
+        // A stop right after the start (a SIGTERM during boot, an embedding program's
+        // shutdown at once) comes before the first reconcile has adopted the previous
+        // incarnation's workers: they are to be ended too. Waited for within a bound (a
+        // reconcile held up by /proc must not hold the stop up for ever).
+        let mut reconciled = self.reconciled_once.subscribe();
+        Box::pin(
+            async move {
+                let first = reconciled.wait_for(|done| *done);
+                if tokio::time::timeout(FIRST_RECONCILE_AT_STOP, first)
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(
+                        "stopping before the first reconcile is done: workers of the previous incarnation it has not adopted yet are left running"
+                    );
+                }
+            }
+            .into_actor(self)
+            .then(move |(), act, _| {
+                let runs: Vec<(RunId, TaskId)> =
+                    act.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
+                let addrs = act.worker_addrs();
+                release_and_end(act.store.clone(), runs, addrs, kill).into_actor(act)
+            }),
+        )
+    }
+}
+
+/// How long a `terminate` stop waits for the first reconcile (see `StopDispatching`).
+const FIRST_RECONCILE_AT_STOP: Duration = Duration::from_secs(10);
+
+impl DispatcherActor {
+    fn worker_addrs(&self) -> Vec<(RunId, Addr<WorkerActor>)> {
+        self.workers
             .iter()
             .map(|(r, w)| (*r, w.addr.clone()))
-            .collect();
-        if msg.terminate {
-            let runs: Vec<(RunId, TaskId)> =
-                self.workers.iter().map(|(r, w)| (*r, w.task_id)).collect();
-            Box::pin(release_and_end(self.store.clone(), runs, addrs, kill).into_actor(self))
-        } else {
-            Box::pin(settle(addrs, stop_bound(kill)).into_actor(self))
-        }
+            .collect()
     }
 }
 

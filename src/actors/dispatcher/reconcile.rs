@@ -250,10 +250,11 @@ impl DispatcherActor {
                 Ok(runs) => act.reconcile_runs(runs, ctx),
                 Err(e) => tracing::warn!(error = %e, "reconcile: cannot read open runs"),
             }
-            if act.first_followups == 0
-                && let Some(done) = act.first_reconcile.take()
-            {
-                let _ = done.send(());
+            if act.first_followups == 0 {
+                if let Some(done) = act.first_reconcile.take() {
+                    let _ = done.send(());
+                }
+                act.reconciled_once.send_replace(true);
             }
         })
         .spawn(ctx);
