@@ -135,15 +135,17 @@ fn an_oversized_line_gets_too_large_and_is_closed() {
     // Exactly at the limit is still fine (the newline does not count).
     let mut c = d.raw();
     c.hello();
-    let title = "y".repeat(1024 * 1024 - r#"{"id":1,"op":"add_task","title":""}"#.len());
-    let r = c.call(&format!(r#"{{"id":1,"op":"add_task","title":"{title}"}}"#));
+    let body = "y".repeat(1024 * 1024 - r#"{"id":1,"op":"add_task","title":"t","body":""}"#.len());
+    let r = c.call(&format!(
+        r#"{{"id":1,"op":"add_task","title":"t","body":"{body}"}}"#
+    ));
     assert_eq!(
         r["ok"], true,
         "a line of exactly max_request_bytes is accepted"
     );
     // Ended by CRLF too: the `\r` is not part of the request.
     let r = c.call(&format!(
-        "{{\"id\":2,\"op\":\"add_task\",\"title\":\"{title}\"}}\r"
+        "{{\"id\":2,\"op\":\"add_task\",\"title\":\"t\",\"body\":\"{body}\"}}\r"
     ));
     assert_eq!(
         r["ok"], true,
@@ -347,8 +349,13 @@ fn a_list_or_events_page_too_big_for_one_reply_is_cut_and_says_so() {
     use runwarden::control::protocol::MAX_REPLY_TEXT_BYTES;
     let mut d = Daemon::start("synchronous = \"normal\"", "");
     let mut c = d.client();
-    // 40 tasks of ~900 KB of text each (title + body): ~36 MB, over the 16 MiB a reply holds.
-    let ids = add_tasks(&mut c, (0..40).map(|i| big_task(i, 450_000)));
+    // 300 tasks of 128 KiB of text each (title + body): ~39 MB, over the 16 MiB a reply
+    // holds; their `created` events carry the 64 KiB titles: ~19.7 MB.
+    const N: usize = 300;
+    let ids = add_tasks(
+        &mut c,
+        (0..N).map(|i| big_task(i, runwarden::board::MAX_TITLE_BYTES)),
+    );
     let reply = c
         .list_tasks_reply(&TaskFilter::default())
         .expect("list_tasks");
@@ -358,7 +365,7 @@ fn a_list_or_events_page_too_big_for_one_reply_is_cut_and_says_so() {
         reply.tasks.len()
     );
     let n = reply.tasks.len();
-    assert!((1..40).contains(&n), "{n} tasks");
+    assert!((1..N).contains(&n), "{n} tasks");
     let text: usize = reply
         .tasks
         .iter()
@@ -378,12 +385,12 @@ fn a_list_or_events_page_too_big_for_one_reply_is_cut_and_says_so() {
         .expect("list_tasks");
     assert_eq!((small.tasks.len(), small.truncated), (5, false));
 
-    // The same bound on an events page (each `created` event carries its ~450 KB title): cut
+    // The same bound on an events page (each `created` event carries its 64 KiB title): cut
     // short with `more`, and the next page goes on from its last id, nothing skipped.
     let first = c.events_page(0, None, Some(1000)).expect("events");
     assert!(first.more, "{} events and no more", first.events.len());
     assert!(
-        (1..40).contains(&first.events.len()),
+        (1..N).contains(&first.events.len()),
         "{}",
         first.events.len()
     );

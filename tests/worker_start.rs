@@ -200,3 +200,58 @@ fn a_descriptor_serve_inherited_reaches_no_worker() {
     }
     serve.stop_cleanly(Signal::SIGTERM);
 }
+
+/// A title longer than its workers' environment can carry (the kernel refuses one string of
+/// more than 128 KiB, and with it the whole start) is refused when the task is added, saying
+/// why; one on the board from before titles were bounded reaches the worker cut to the bound,
+/// and the task runs.
+#[test]
+fn a_title_too_long_for_the_environment_is_refused_and_an_old_one_is_cut() {
+    use runwarden::board::MAX_TITLE_BYTES;
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.assignees.insert(
+        "count".into(),
+        AssigneeConfig::new([
+            "sh",
+            "-c",
+            "printf %s \"$RUNWARDEN_TASK_TITLE\" | wc -c > title.len",
+        ]),
+    );
+    // Before the supervisor: a task whose title grew past the bound (a board of an older
+    // build), one multibyte character straddling the cut.
+    fs::create_dir_all(td.data_dir()).expect("the data dir");
+    let mut db = Db::new(td.db_path());
+    let old =
+        db.write(|tx| tx.create_task(&NewTask::titled("old").for_assignee("count"), now_millis()));
+    let long = format!(
+        "{}é{}",
+        "t".repeat(MAX_TITLE_BYTES - 1),
+        "t".repeat(140_000)
+    );
+    db.execute_raw("UPDATE tasks SET title = ?1 WHERE id = ?2", (&long, old.id));
+    let sup = Supervisor::start(config).expect("start the supervisor");
+
+    let refused = sup
+        .add_task(NewTask::titled("t".repeat(MAX_TITLE_BYTES + 1)).for_assignee("count"))
+        .expect_err("a title over the bound");
+    assert!(refused.to_string().contains("title"), "says why: {refused}");
+    let fits = sup
+        .add_task(NewTask::titled("t".repeat(MAX_TITLE_BYTES)).for_assignee("count"))
+        .expect("a title at the bound")
+        .id;
+
+    for (task, want) in [(old.id, MAX_TITLE_BYTES - 1), (fits, MAX_TITLE_BYTES)] {
+        let done = sup.wait_for(task, SETTLE).expect("wait");
+        assert_eq!(done.status, TaskStatus::Done, "{}", db.history(task));
+        let len = fs::read_to_string(
+            td.data_dir()
+                .join("work")
+                .join(task.to_string())
+                .join("title.len"),
+        )
+        .expect("the worker wrote its title's length");
+        assert_eq!(len.trim(), want.to_string(), "task {task}");
+    }
+    sup.shutdown();
+}

@@ -313,6 +313,17 @@ enum Start {
     Failed(std::io::Error),
 }
 
+/// The title as the worker's environment carries it: at most `MAX_TITLE_BYTES` (cut at a
+/// character's boundary). Only a task created before titles were bounded can be longer, and
+/// the kernel refuses a whole start over one string of more than 128 KiB.
+fn env_title(title: &str) -> &[u8] {
+    let mut end = title.len().min(crate::board::MAX_TITLE_BYTES);
+    while !title.is_char_boundary(end) {
+        end -= 1;
+    }
+    &title.as_bytes()[..end]
+}
+
 /// Calls `f` with each of the worker's variables (key, value), in the order std's `Command`
 /// would give them precedence: our own environment as it is now, less the `RUNWARDEN_*`
 /// variables we inherited and whatever is set below; PATH with our binary's directory (see
@@ -331,7 +342,7 @@ fn for_each_worker_var(
         ("RUNWARDEN_TASK_ID", task_id.as_bytes()),
         ("RUNWARDEN_RUN_ID", run_id.as_bytes()),
         ("RUNWARDEN_RUN_TOKEN", spec.token.as_bytes()),
-        ("RUNWARDEN_TASK_TITLE", spec.title.as_bytes()),
+        ("RUNWARDEN_TASK_TITLE", env_title(&spec.title)),
     ];
     let is_run_var = |key: &[u8]| run.iter().any(|(k, _)| k.as_bytes() == key);
     // Ours only without the assignee's (which the table below sets).

@@ -33,7 +33,7 @@ pub use reads::{DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT};
 pub use reaper::{Reap, ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
 pub use runs::{ExitInfo, FailResult, RecordedExit};
 pub use schema::SCHEMA_VERSION;
-pub use tasks::{MAX_NAME_BYTES, MAX_RUNTIME_MS};
+pub use tasks::{MAX_NAME_BYTES, MAX_RUNTIME_MS, MAX_TITLE_BYTES};
 pub use types::*;
 
 /// Prepared statements kept per connection (more than the board has distinct statements).

@@ -12,6 +12,10 @@ pub const MAX_RUNTIME_MS: i64 = 100 * 31_557_600 * 1000;
 /// every reply that carries the task: unbounded, a client could make every such reply (and a
 /// task list, which bounds the texts it returns) as large as a request.
 pub const MAX_NAME_BYTES: usize = 256;
+/// The longest title, in bytes. A title rides in its workers' environment
+/// (`RUNWARDEN_TASK_TITLE`), where the kernel takes no string over 128 KiB: a longer one would
+/// make every start fail (`E2BIG`).
+pub const MAX_TITLE_BYTES: usize = 64 * 1024;
 
 impl NewTask {
     /// Its names (`idempotency_key`, `assignee`) within [`MAX_NAME_BYTES`], and a key not
@@ -44,6 +48,12 @@ impl Tx<'_> {
     pub fn create_task(&self, new: &NewTask, now: Millis) -> Result<Created> {
         if new.title.trim().is_empty() {
             return Err(BoardError::Invalid("title must not be empty".into()));
+        }
+        if new.title.len() > MAX_TITLE_BYTES {
+            return Err(BoardError::Invalid(format!(
+                "title must be at most {MAX_TITLE_BYTES} bytes (it is its workers' RUNWARDEN_TASK_TITLE), not {}; put the rest in the body",
+                new.title.len()
+            )));
         }
         // Out of range, they would silently mean something else (a negative runtime the
         // assignee's; negative retries giving up at the first failure).

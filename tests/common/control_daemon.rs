@@ -418,12 +418,18 @@ pub fn add_tasks(client: &mut Client, tasks: impl IntoIterator<Item = NewTask>) 
     ids
 }
 
-/// A task whose title and body are each `bytes` long: big replies and big events.
+/// A task of `2 × bytes` of text: a title of `bytes` (at most `MAX_TITLE_BYTES`: the rest goes
+/// to the body) and a body of the rest. Big replies; big `created` events up to that bound.
 pub fn big_task(i: usize, bytes: usize) -> NewTask {
+    // The title within its bound (MAX_TITLE_BYTES), the body the rest.
     let mut title = format!("t{i} ");
-    title.extend(std::iter::repeat_n('x', bytes.saturating_sub(title.len())));
+    let title_bytes = bytes.min(runwarden::board::MAX_TITLE_BYTES);
+    title.extend(std::iter::repeat_n(
+        'x',
+        title_bytes.saturating_sub(title.len()),
+    ));
     NewTask {
-        body: "b".repeat(bytes),
+        body: "b".repeat(2 * bytes - title.len()),
         ..NewTask::titled(title)
     }
 }
