@@ -39,13 +39,30 @@ fn binary_for_nobody() -> (tempfile::TempDir, PathBuf) {
 
 /// `runwarden status --socket SOCKET` run as `nobody`.
 fn status_as_nobody(binary: &Path, socket: &Path) -> std::process::Output {
+    as_nobody(binary, socket, &["status", "--json"])
+}
+
+/// `runwarden ARGS --socket SOCKET` run as `nobody`.
+fn as_nobody(binary: &Path, socket: &Path, args: &[&str]) -> std::process::Output {
     let mut cmd = Command::new(binary);
     scrub_env(&mut cmd);
-    cmd.args(["status", "--json", "--socket"])
+    cmd.args(args)
+        .arg("--socket")
         .arg(socket)
         .uid(NOBODY)
         .gid(NOBODY);
     run(cmd)
+}
+
+/// `wait` exits 1 for a task that failed, and only for that: a supervisor it could not ask
+/// (refused by the file system or by peer credentials) is 3, as one not running is.
+fn assert_wait_unanswered(binary: &Path, socket: &Path) {
+    let (code, err) = failed(&as_nobody(
+        binary,
+        socket,
+        &["wait", "1", "--timeout", "5s"],
+    ));
+    assert_eq!(code, 3, "{err}");
 }
 
 #[test]
@@ -66,6 +83,7 @@ fn another_uid_is_refused_by_the_file_system_then_by_peer_credentials() {
         !d.stderr_text().contains("refused a peer uid"),
         "the server never saw it"
     );
+    assert_wait_unanswered(&binary, &d.socket);
 
     // Layer 2, SO_PEERCRED: with the modes loosened the connection reaches the server, which
     // answers `unauthorized` (one line) and closes.
@@ -81,6 +99,7 @@ fn another_uid_is_refused_by_the_file_system_then_by_peer_credentials() {
         wait_until(SETTLE, || d.stderr_text().contains("refused a peer uid")),
         "the refusal is logged"
     );
+    assert_wait_unanswered(&binary, &d.socket);
     // Root (the test) is still served.
     d.client().status().unwrap();
     d.assert_healthy();

@@ -47,7 +47,8 @@ pub const EXIT_USAGE: u8 = 2;
 /// Exit code of `wait` when its timeout passes first.
 pub const EXIT_TIMEOUT: u8 = 124;
 /// Exit code of `wait` and `events --follow` when no supervisor is running as they start, or
-/// it went away and could not be reached again within `RUNWARDEN_CONNECT_WAIT`.
+/// it went away and could not be reached again within `RUNWARDEN_CONNECT_WAIT`; of `wait`
+/// also when the supervisor could not be asked (refused, `unauthorized`).
 pub const EXIT_LOST: u8 = 3;
 
 /// Writes to stderr. A stderr that cannot be written (a full disk under the log file it was
@@ -176,8 +177,9 @@ pub enum Command {
     Status,
     /// Wait for tasks: exit 0 once all are done (one archived after it completed counts as
     /// done, also in --json), 1 as soon as one ends blocked or archived without completing,
-    /// 124 on timeout, 3 if no supervisor is running or it went away and did not come back (a
-    /// restart is ridden out), 2 for a task that does not exist.
+    /// 124 on timeout, 3 if no supervisor is running, it went away and did not come back (a
+    /// restart is ridden out) or it could not be asked (permission, `unauthorized`), 2 for a
+    /// task that does not exist or a usage mistake.
     Wait(watch::WaitArgs),
     /// Run the terminal-worker reaper's sweep now.
     Reap,

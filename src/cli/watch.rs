@@ -640,13 +640,35 @@ fn after_done(was: TaskStatus, now: TaskStatus) -> TaskStatus {
 /// timeout passes (exit 124). Follows the event stream; no polling. Rides out a supervisor
 /// restart (exit 3 if it does not come back within `RUNWARDEN_CONNECT_WAIT`).
 pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
-    let deadline = args.timeout.map(crate::deadline_after);
     let progress = std::io::stderr().is_terminal() && !out.json;
+    // Exit 1 is a task that ended blocked or archived, and only that: a supervisor that could
+    // not be asked (refused the connection, said `unauthorized`, answered garbage) is 3, as
+    // one not running is — a script must tell a failed task from an unanswered question.
+    let (state, timed_out) = wait_for_tasks(cli, args, progress).map_err(|e| match e.code {
+        super::EXIT_FAILURE => CliError {
+            code: super::EXIT_LOST,
+            ..e
+        },
+        _ => e,
+    })?;
+    if progress {
+        say_raw!("\r\x1b[2K");
+    }
+    report_wait(&out, &state, timed_out)
+}
+
+/// [`wait`]'s waiting: the tasks' last statuses, and whether the deadline passed first.
+fn wait_for_tasks(
+    cli: &Cli,
+    args: &WaitArgs,
+    progress: bool,
+) -> Result<(BTreeMap<TaskId, TaskStatus>, bool), CliError> {
+    let deadline = args.timeout.map(crate::deadline_after);
     let mut state: BTreeMap<TaskId, TaskStatus> = BTreeMap::new();
     let mut timed_out = false;
     let mut reconnects = Reconnects::new()?;
     let Some(mut client) = connect_riding_out(cli, &mut reconnects, deadline)? else {
-        return report_wait(&out, &state, true);
+        return Ok((state, true));
     };
     loop {
         match wait_on(&mut client, args, deadline, progress, &mut state)? {
@@ -664,10 +686,7 @@ pub fn wait(cli: &Cli, out: Out, args: &WaitArgs) -> Result<(), CliError> {
             },
         }
     }
-    if progress {
-        say_raw!("\r\x1b[2K");
-    }
-    report_wait(&out, &state, timed_out)
+    Ok((state, timed_out))
 }
 
 /// How one connection's wait ended.
