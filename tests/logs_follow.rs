@@ -218,3 +218,44 @@ fn read_log_names_the_rotation_each_piece_was_read_in() {
         "each rotation has its own name: {third:?}"
     );
 }
+
+/// A follower of a task's log file whose task is pruned by retention meanwhile (the log file
+/// deleted with it) ends, saying so, instead of waiting for the file for ever.
+#[test]
+fn following_the_file_of_a_task_pruned_meanwhile_ends() {
+    let d = Daemon::start(
+        "",
+        "[retention]\nfinished = \"1s\"\n\n[assignees.w]\ncommand = [\"sh\", \"-c\", \"echo line-1\"]\n",
+    );
+    let mut c = d.client();
+    // The newest task is never pruned (ids must not come back): the followed one is older.
+    let add = |c: &mut runwarden::control::client::Client, title: &str| {
+        c.add_task(&runwarden::board::NewTask::titled(title).for_assignee("w"))
+            .expect("add_task")
+            .id
+    };
+    let task = add(&mut c, "followed");
+    let log = d.data_dir.join("logs").join(format!("{task}.log"));
+    assert!(
+        common::proc_guard::wait_until(SETTLE, || fs::read_to_string(&log)
+            .is_ok_and(|l| l.contains("line-1"))),
+        "the worker never wrote its log"
+    );
+    let cfg = d.config.to_str().unwrap().to_string();
+    let (mut follower, rx) = stream(&["logs", &task.to_string(), "--follow", "--config", &cfg]);
+    assert_eq!(lines(&rx, 1), ["line-1"]);
+    add(&mut c, "newer");
+    assert!(
+        common::proc_guard::wait_until(SETTLE, || !log.exists()),
+        "retention never pruned task {task}"
+    );
+    let mut status = None;
+    assert!(
+        common::proc_guard::wait_until(SETTLE, || {
+            status = follower.0.try_wait().ok().flatten();
+            status.is_some()
+        }),
+        "the follower still waits for a log that is gone with its task"
+    );
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{status:?}");
+}

@@ -274,8 +274,20 @@ pub fn logs(cli: &Cli, out: Out, args: &LogsArgs) -> Result<(), CliError> {
     if opened.is_err() {
         no_such_task_to_wait_for(cli, args.id)?;
     }
-    follow_file(&path)
+    // A log that goes away and stays away may be its task's, pruned by retention: asked
+    // again every few seconds while it is missing (a rotation's gap is far shorter).
+    let mut asked: Option<Instant> = None;
+    follow_file(&path, || {
+        if asked.is_some_and(|at| at.elapsed() < MISSING_LOG_ASK_EVERY) {
+            return Ok(());
+        }
+        asked = Some(Instant::now());
+        no_such_task_to_wait_for(cli, args.id)
+    })
 }
+
+/// How often a follower whose log file is missing asks whether its task is still there.
+const MISSING_LOG_ASK_EVERY: Duration = Duration::from_secs(2);
 
 /// A log not there yet is waited for — unless the supervisor, asked, says there is no such
 /// task (a typo would otherwise wait for ever). One that cannot be asked (not running: the log
@@ -536,8 +548,12 @@ fn catch_up_from(
 }
 
 /// `tail -f`: prints the file, then polls for growth; after a rotation, what it had not read
-/// from the backup, then the new log from its start.
-fn follow_file(path: &PathBuf) -> Result<(), CliError> {
+/// from the backup, then the new log from its start. While the file is missing, `missing` is
+/// asked whether to go on waiting (an error ends the follow).
+fn follow_file(
+    path: &PathBuf,
+    mut missing: impl FnMut() -> Result<(), CliError>,
+) -> Result<(), CliError> {
     /// Read (and held) at most this much at a time.
     const CHUNK: u64 = 1 << 20;
     let mut pos = 0u64;
@@ -583,6 +599,7 @@ fn follow_file(path: &PathBuf) -> Result<(), CliError> {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                missing()?;
                 if !waiting_noted {
                     say!("runwarden: waiting for {} to appear", path.display());
                     waiting_noted = true;
