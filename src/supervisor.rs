@@ -62,6 +62,8 @@ pub struct Services {
     pub started_at: Instant,
     /// …and as a wall-clock time (taken once, so every `status` says the same).
     pub started_at_ms: crate::board::Millis,
+    /// True once the first reconcile has decided about the previous incarnation's runs.
+    pub(crate) first_reconcile: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Services {
@@ -211,8 +213,9 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     }
     let (reconciled, first_reconcile) = tokio::sync::oneshot::channel();
     let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner)
-        .tell_first_reconcile(reconciled)
-        .start();
+        .tell_first_reconcile(reconciled);
+    let reconciled_once = dispatcher.first_reconcile_done();
+    let dispatcher = dispatcher.start();
     tracing::info!(
         data_dir = %config.supervisor.data_dir.display(),
         pid = std::process::id(),
@@ -225,6 +228,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         reaper,
         started_at: Instant::now(),
         started_at_ms: crate::board::now_millis(),
+        first_reconcile: reconciled_once,
     };
     let control = socket
         .serve(services.clone(), first_reconcile)
@@ -364,6 +368,9 @@ fn disown_a_copys_workers(config: &Config) -> Result<(), SupervisorError> {
     Ok(())
 }
 
+/// How long [`Supervisor::start`] waits for the first reconcile.
+const FIRST_RECONCILE_WAIT: Duration = Duration::from_secs(5);
+
 /// An in-process supervisor, for embedding.
 pub struct Supervisor;
 
@@ -380,7 +387,19 @@ impl Supervisor {
                 let res = run(
                     config,
                     move |s| {
-                        let _ = ready_tx.send(Ok(s.clone()));
+                        // Handed over once the first reconcile has adopted the previous
+                        // incarnation's workers (5 s at most, as the socket waits): a report
+                        // made through the handle lands on an adopted run, never ahead of it.
+                        let s = s.clone();
+                        let mut first = s.first_reconcile.clone();
+                        actix_rt::spawn(async move {
+                            let _ = tokio::time::timeout(
+                                FIRST_RECONCILE_WAIT,
+                                first.wait_for(|done| *done),
+                            )
+                            .await;
+                            let _ = ready_tx.send(Ok(s));
+                        });
                     },
                     async move {
                         let _ = stop_rx.await;

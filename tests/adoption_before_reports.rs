@@ -176,3 +176,43 @@ fn a_worker_found_by_its_token_is_adopted_before_its_report_lands() {
     );
     sup.shutdown();
 }
+
+/// The same through the library: `Supervisor::start` hands over its handle once the first
+/// reconcile has adopted the previous incarnation's workers (or after the socket's 5 s), so a
+/// `complete` made at once through it lands on an adopted run.
+#[test]
+fn a_report_through_a_fresh_handle_lands_after_the_adoption() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config
+        .assignees
+        .insert("w".into(), sh_assignee("exec sleep 300"));
+    let mut first = config.clone();
+    first.supervisor.shutdown = ShutdownMode::Leave;
+    let mut sup = Supervisor::start(first).expect("start the first incarnation");
+    let task = add(&sup, task_for("slow", "w"));
+    let spawned = sup.wait_event(task, "worker_spawned", SETTLE);
+    let (pid, fp) = worker_identity(&spawned).expect("worker identity");
+    let worker = WorkerGuard::pin(pid, &fp);
+    sup.shutdown();
+
+    runwarden::actors::dispatcher::delay_reconciles(RECONCILE_DELAY);
+    let mut sup = Supervisor::start(config).expect("start the second incarnation");
+    sup.complete(task, Some("ok".into())).expect("complete");
+    let d = sup.detail(task);
+    let history = sup.history(task);
+    let (adopted, completed) = (
+        only_event(&d, "worker_adopted", &history),
+        only_event(&d, "completed", &history),
+    );
+    assert!(
+        adopted < completed,
+        "the report landed before the adoption\n{history}"
+    );
+    // Its grace over, the adopted worker is ended.
+    assert!(
+        worker.wait_dead(SETTLE).is_some(),
+        "the worker outlived its run's grace\n{history}"
+    );
+    sup.shutdown();
+}

@@ -286,10 +286,11 @@ fn a_worker_whose_assignee_left_the_config_is_still_adopted_and_ended_at_its_max
     second.stop_cleanly(Signal::SIGTERM);
 }
 
-/// `shutdown = "terminate"` at once after a start (a SIGTERM during boot, an embedding
-/// program's immediate shutdown) still ends the previous incarnation's workers: the stop waits
-/// for the first reconcile to adopt them, then releases their runs (not a failure) and ends
-/// them. Before, the stop came first and the adopted worker was left running.
+/// `shutdown = "terminate"` at once after a start (a SIGTERM during `serve`'s boot, a shutdown
+/// future of an embedding program already resolved) still ends the previous incarnation's
+/// workers: the stop waits for the first reconcile to adopt them, then releases their runs
+/// (not a failure) and ends them. Before, the stop came first and the adopted worker was left
+/// running.
 #[test]
 fn a_terminating_stop_right_after_the_start_ends_the_previous_incarnations_workers() {
     use common::runtime::{lib_config, wait_worker};
@@ -313,9 +314,10 @@ fn a_terminating_stop_right_after_the_start_ends_the_previous_incarnations_worke
     first.shutdown();
     assert!(worker.alive(), "shutdown = \"leave\" left it running");
 
-    Supervisor::start(config(ShutdownMode::Terminate))
-        .expect("second start")
-        .shutdown();
+    // Told to stop before it has even booted (as `serve` is by a SIGTERM during its boot):
+    // it stops right after the boot, with the first reconcile just begun.
+    runwarden::supervisor::run(config(ShutdownMode::Terminate), |_| {}, async {})
+        .expect("second start");
     assert!(
         worker.wait_dead(SETTLE).is_some(),
         "the adopted worker {pid} outlived the terminating stop"

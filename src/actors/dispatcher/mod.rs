@@ -334,6 +334,12 @@ impl DispatcherActor {
         self
     }
 
+    /// Turns true once the first reconcile is done (when the `tell_first_reconcile` channel is
+    /// told).
+    pub fn first_reconcile_done(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.reconciled_once.subscribe()
+    }
+
     fn claim_params(&self) -> ClaimParams {
         ClaimParams {
             rules: board::ClaimRules {
