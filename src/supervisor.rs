@@ -146,7 +146,12 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
             );
         }
     }
-    let lock = LockFile::acquire(&config.lock_path())?;
+    let lock = LockFile::acquire(&config.lock_path()).map_err(|e| match e {
+        // The machine's answer about the data dir (a read-only file system, say): named with
+        // its key, as `create_dirs` names what it cannot make.
+        LockError::Io { .. } => SupervisorError::Runtime(format!("[supervisor] data_dir: {e}")),
+        held => held.into(),
+    })?;
     // Modes only once the lock is ours: a start that a running supervisor's lock refuses must
     // not change what that supervisor's users and workers need.
     crate::data_dir::set_modes(&config, data_dir_is_ours)?;
@@ -447,6 +452,9 @@ impl SupervisorHandle {
 
     /// Adds a task; it is dispatched at once if an assignee slot is free.
     pub fn add_task(&self, new: NewTask) -> Result<Created, SupervisorError> {
+        // Names first, as the socket checks them: an unknown assignee's refusal quotes it.
+        new.check_names()
+            .map_err(|e| SupervisorError::Board(board::BoardError::Invalid(e)))?;
         self.services
             .config
             .check_assignee(new.assignee.as_deref())

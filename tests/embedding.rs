@@ -1,7 +1,8 @@
 //! Embedding: `Supervisor::start` works inside a tokio runtime (it runs the supervisor on a
 //! thread of its own), and `supervisor::run` works on a runtime's blocking thread; a data dir
 //! handed over writable by others loses their write access; a handle whose supervisor was
-//! stopped from outside says so at once.
+//! stopped from outside says so at once; refusals through the handle are short and name what
+//! is wrong.
 
 #[allow(dead_code)]
 mod common;
@@ -81,4 +82,31 @@ fn waiting_on_a_supervisor_stopped_over_its_socket_ends_at_once() {
         "{waited:?}"
     );
     sup.shutdown();
+}
+
+/// Bad input through the handle gets a short, clear error, as through the socket: an
+/// assignee name of 100 KB is refused for its length, not quoted back; a data dir whose lock
+/// file cannot be made is named with its config key.
+#[test]
+fn refusals_through_the_library_are_short_and_name_what_is_wrong() {
+    let td = TestDir::new();
+    let sup = Supervisor::start(lib_config(&td)).expect("start");
+    let err = sup
+        .add_task(runwarden::board::NewTask::titled("t").for_assignee("a".repeat(100_000)))
+        .expect_err("a 100 KB assignee name")
+        .to_string();
+    assert!(err.len() < 200 && err.contains("assignee"), "{err}");
+    sup.shutdown();
+
+    // The lock file's place taken by a directory: it cannot be opened.
+    let other = TestDir::new();
+    std::fs::create_dir_all(other.lock_path()).expect("a directory in the lock's place");
+    let err = match Supervisor::start(lib_config(&other)) {
+        Ok(sup) => {
+            sup.shutdown();
+            panic!("started without its lock file");
+        }
+        Err(e) => e.to_string(),
+    };
+    assert!(err.starts_with("[supervisor] data_dir: "), "{err}");
 }

@@ -63,6 +63,13 @@ fn max_runtime(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A `--max-runtime` in the protocol's whole milliseconds, rounded up: `500us` is a limit,
+/// and 0 would mean none.
+fn runtime_ms(d: Duration) -> i64 {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
 /// Adds a task and prints its id (`--json`: `{"id":…,"existed":…}`).
 pub fn add(cli: &Cli, out: Out, args: &AddArgs) -> Result<(), CliError> {
     let new = NewTask {
@@ -72,9 +79,7 @@ pub fn add(cli: &Cli, out: Out, args: &AddArgs) -> Result<(), CliError> {
         priority: args.priority,
         parents: args.parents.clone(),
         // In range (checked when parsed), so it cannot wrap into a negative number.
-        max_runtime_ms: args
-            .max_runtime
-            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+        max_runtime_ms: args.max_runtime.map(runtime_ms),
         max_retries: args.max_retries,
         idempotency_key: args.idempotency_key.clone(),
     };
@@ -368,4 +373,17 @@ pub fn comment(
 /// Prints a task changed by a worker-side command.
 pub fn print_changed(out: &Out, task: &Task, what: &str) -> Result<(), CliError> {
     changed(out, task, what)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runtime_under_a_millisecond_is_a_limit_not_none() {
+        assert_eq!(runtime_ms(Duration::from_micros(500)), 1);
+        assert_eq!(runtime_ms(Duration::from_millis(1500)), 1500);
+        assert_eq!(runtime_ms(Duration::from_nanos(1_000_001)), 2);
+        assert_eq!(runtime_ms(Duration::ZERO), 0, "0s: no limit, as documented");
+    }
 }
