@@ -183,7 +183,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
             })
             .ok()
     };
-    disown_a_copys_workers(&config)?;
+    let copy = disown_a_copys_workers(&config)?;
     let config = Arc::new(config);
     let store = StoreActor::start_on(
         config.db_path(),
@@ -205,7 +205,11 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     // Hooks first: subscribed to the store's events before anything can commit one.
     let hooks = HooksStop::default();
     // Whatever a killed previous incarnation's hooks left running is ended, hooks or not now.
-    let hook_token = take_over_hook_token(&config.supervisor.data_dir, config.reaper.kill_timeout);
+    let hook_token = take_over_hook_token(
+        &config.supervisor.data_dir,
+        config.reaper.kill_timeout,
+        copy,
+    );
     if !config.hooks.is_empty() {
         HookActor::new(
             config.hooks.clone(),
@@ -342,35 +346,72 @@ where
     result
 }
 
-/// Records this data dir as the board's home, and disowns every worker on the board when a
-/// supervisor of another data dir served it before in this boot (see `board::home`): before
-/// the reaper's first sweep and the first reconcile, so none of them is adopted or signalled.
-fn disown_a_copys_workers(config: &Config) -> Result<(), SupervisorError> {
+/// Records this data dir as the board's home, and disowns every worker on the board when it
+/// is a copy of a board in use (see `board::home`): served earlier in this boot from another
+/// data dir at another path, or — a board that never recorded its home (an older build's) —
+/// whose live workers report to another supervisor's socket that answers. Done before the
+/// reaper's first sweep and the first reconcile, so none of them is adopted or signalled.
+/// True when the board is such a copy.
+fn disown_a_copys_workers(config: &Config) -> Result<bool, SupervisorError> {
     use std::os::unix::fs::MetadataExt;
     let dir = &config.supervisor.data_dir;
-    let meta = std::fs::metadata(dir).map_err(|source| SupervisorError::Dir {
+    let dir_err = |source| SupervisorError::Dir {
         path: dir.clone(),
         source,
-    })?;
-    let home = format!("{}:{}", meta.dev(), meta.ino());
+    };
+    let meta = std::fs::metadata(dir).map_err(dir_err)?;
+    let home = board::Home {
+        id: format!("{}:{}", meta.dev(), meta.ino()),
+        path: std::fs::canonicalize(dir)
+            .map_err(dir_err)?
+            .display()
+            .to_string(),
+    };
     let boot = process::boot_id().map_err(|e| SupervisorError::Runtime(e.to_string()))?;
-    let mut board = crate::board::Board::open(&config.db_path())?;
+    let mut board = board::Board::open(&config.db_path())?;
+    let (recorded, open) = board.read(|tx| Ok((tx.home_recorded()?, tx.open_runs()?)))?;
+    let elsewhere = if recorded {
+        None
+    } else {
+        open.iter()
+            .find_map(|run| reports_elsewhere(run, &config.socket_path()))
+    };
     let disowned = board.write(|tx| {
-        let now = crate::board::now_millis();
-        match tx.take_home(&boot, &home, now)? {
-            Some(before) => Ok(Some((before.clone(), tx.disown_workers(&before, now)?))),
-            None => Ok(None),
-        }
+        let now = board::now_millis();
+        let before = match tx.take_home(&boot, &home, now)? {
+            Some(Some(before)) => before,
+            Some(None) => match &elsewhere {
+                Some(socket) => format!("the supervisor listening on {}", socket.display()),
+                None => return Ok(None),
+            },
+            None => return Ok(None),
+        };
+        Ok(Some((before.clone(), tx.disown_workers(&before, now)?)))
     })?;
-    if let Some((before, runs)) = disowned {
+    if let Some((before, runs)) = &disowned {
         tracing::warn!(
             data_dir = %dir.display(),
-            served_before_from = %before,
+            served_by = %before,
             runs,
-            "this board was served from another data dir earlier in this boot (a copy of a board in use?): its workers are not adopted or signalled, and its open runs close as lost"
+            "this board is a copy of one in use (served from another data dir earlier in this boot, or its workers report to another supervisor): its workers are not adopted or signalled, and its open runs close here"
         );
     }
-    Ok(())
+    Ok(disowned.is_some())
+}
+
+/// The socket `run`'s live worker reports to, when it is not `ours` and a supervisor answers
+/// on it. (A worker whose socket nobody serves is this board's own, from before a change of
+/// `socket` in the config.)
+fn reports_elsewhere(run: &board::Run, ours: &std::path::Path) -> Option<std::path::PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let pid = i32::try_from(run.worker_pid?).ok()?;
+    let fd = match process::open_verified(pid, &run.fingerprint()?) {
+        Ok(process::Verified::Ours(fd)) => fd,
+        _ => return None,
+    };
+    let socket = process::descendants::environ_var(&fd, "RUNWARDEN_SOCKET")?;
+    let socket = std::path::PathBuf::from(std::ffi::OsStr::from_bytes(&socket));
+    (socket != ours && std::os::unix::net::UnixStream::connect(&socket).is_ok()).then_some(socket)
 }
 
 /// How long [`Supervisor::start`] waits for the first reconcile.

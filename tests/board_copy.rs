@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::lifecycle::runwarden_cli;
 use common::runtime::{
-    Serve, TestDir, WorkerGuard, poll_board, runs_of, task_event, wait_worker_in_board,
+    SETTLE, Serve, TestDir, WorkerGuard, poll_board, runs_of, task_event, wait_worker_in_board,
 };
 use runwarden::board::{Board, OpenOptions, TaskStatus};
 use runwarden::process::Signal;
@@ -43,22 +43,7 @@ fn a_copy_of_a_board_in_use_never_touches_the_originals_workers() {
 
     // A consistent copy of the live board (as `sqlite3 .backup` makes), served elsewhere.
     let copy = TestDir::new();
-    std::fs::create_dir_all(copy.data_dir()).expect("the copy's data dir");
-    let source = Board::open_with(
-        &original.db_path(),
-        OpenOptions {
-            read_only: true,
-            ..OpenOptions::default()
-        },
-    )
-    .expect("open the live board");
-    source
-        .execute_raw(
-            "VACUUM INTO ?1",
-            [copy.db_path().to_str().expect("a UTF-8 path")],
-        )
-        .expect("copy the board");
-    drop(source);
+    copy_board(&original, &copy);
     let mut other = Serve::start(&config(&copy, "terminate"), "copy");
     other.wait_ready(&copy.lock_path(), &copy.db_path());
 
@@ -105,6 +90,150 @@ fn a_copy_of_a_board_in_use_never_touches_the_originals_workers() {
     assert_eq!(runs[0].worker_pid, Some(i64::from(pid)), "{runs:?}");
     live.stop_cleanly(Signal::SIGTERM);
     assert!(worker.alive(), "shutdown = \"leave\" leaves it running");
+}
+
+/// A consistent copy of `from`'s board (as `sqlite3 .backup` makes) in `to`'s data dir.
+fn copy_board(from: &TestDir, to: &TestDir) {
+    std::fs::create_dir_all(to.data_dir()).expect("the copy's data dir");
+    let source = Board::open_with(
+        &from.db_path(),
+        OpenOptions {
+            read_only: true,
+            ..OpenOptions::default()
+        },
+    )
+    .expect("open the live board");
+    source
+        .execute_raw(
+            "VACUUM INTO ?1",
+            [to.db_path().to_str().expect("a UTF-8 path")],
+        )
+        .expect("copy the board");
+}
+
+/// A supervisor running one `sleep 300` task with `shutdown = "leave"`: it, the task and its
+/// pinned worker.
+fn live_with_a_worker(td: &TestDir) -> (Serve, i64, WorkerGuard) {
+    let mut live = Serve::start(&config(td, "leave"), "live");
+    live.wait_ready(&td.lock_path(), &td.db_path());
+    let added = runwarden_cli(
+        &td.socket_path(),
+        &["add", "long job", "--assignee", "w"],
+        CLI_WAIT,
+    )
+    .ok();
+    let task: i64 = added.stdout.trim().parse().expect("add prints the id");
+    let (pid, fp) = wait_worker_in_board(&td.db_path(), task);
+    (live, task, WorkerGuard::pin(pid, &fp))
+}
+
+/// The first event of `kind` or `or` on `task` in the board at `db`, waited for.
+fn settled(db: &std::path::Path, task: i64) -> runwarden::board::Event {
+    poll_board(db, "the start to settle the run", |b| {
+        task_event(b, task, "worker_disowned").or_else(|| task_event(b, task, "worker_adopted"))
+    })
+}
+
+/// A board an older build served (schema 9: no home recorded), copied while its supervisor
+/// runs: the copy's workers report to that supervisor, which answers — disowned all the same.
+#[test]
+fn a_copy_of_a_board_an_older_build_serves_disowns_its_workers_too() {
+    let original = TestDir::new();
+    let (mut live, task, worker) = live_with_a_worker(&original);
+    let copy = TestDir::new();
+    copy_board(&original, &copy);
+    let board = Board::open(&copy.db_path()).expect("open the copy");
+    board
+        .execute_raw("DROP TABLE board_home", [])
+        .expect("as a board of schema 9");
+    board
+        .execute_raw("PRAGMA user_version = 9", [])
+        .expect("as a board of schema 9");
+    drop(board);
+    let mut other = Serve::start(&config(&copy, "terminate"), "copy");
+    other.wait_ready(&copy.lock_path(), &copy.db_path());
+    let seen = settled(&copy.db_path(), task);
+    other.stop_cleanly(Signal::SIGTERM);
+    assert_eq!(
+        seen.kind,
+        "worker_disowned",
+        "{seen:?}
+{}",
+        other.stderr()
+    );
+    assert!(worker.alive(), "the copy ended the original's worker");
+    live.stop_cleanly(Signal::SIGTERM);
+}
+
+/// The data dir recreated at its own path while its workers run (`mv data data.old; cp -a
+/// data.old data`, a restore into place): the same data dir, whose workers are its own —
+/// adopted, not disowned (which would leave them unsupervised and run their tasks again).
+#[test]
+fn a_data_dir_recreated_at_its_own_path_adopts_its_workers() {
+    let td = TestDir::new();
+    let (mut live, task, worker) = live_with_a_worker(&td);
+    live.stop_cleanly(Signal::SIGTERM);
+    let data = td.data_dir();
+    let old = td.path().join("data.old");
+    std::fs::rename(&data, &old).expect("move the data dir away");
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&old)
+        .arg(&data)
+        .status()
+        .expect("cp -a");
+    assert!(copied.success(), "cp -a failed");
+    let mut again = Serve::start(&config(&td, "leave"), "again");
+    again.wait_ready(&td.lock_path(), &td.db_path());
+    let seen = settled(&td.db_path(), task);
+    assert_eq!(seen.kind, "worker_adopted", "{seen:?}\n{}", again.stderr());
+    again.stop_cleanly(Signal::SIGTERM);
+    assert!(worker.alive(), "shutdown = \"leave\" leaves it running");
+}
+
+/// A copy of the whole data dir (`cp -a`) while a hook of the original runs: the copied
+/// `hooks.token` is the original's, and the copy ends nothing that carries it.
+#[test]
+fn a_copy_of_the_whole_data_dir_leaves_the_originals_hooks_alone() {
+    let original = TestDir::new();
+    let pid_file = original.path().join("hook.pid");
+    let script = format!(
+        "echo $$ > {0}.tmp; mv {0}.tmp {0}; exec sleep 300",
+        pid_file.display()
+    );
+    let config = original.write_config(
+        "tick = \"100ms\"",
+        &format!(
+            "[[hooks]]\non = [\"created\"]\ncommand = [\"sh\", \"-c\", {script:?}]\ntimeout = \"10m\"\n"
+        ),
+    );
+    let mut live = Serve::start(&config, "live");
+    live.wait_ready(&original.lock_path(), &original.db_path());
+    runwarden_cli(&original.socket_path(), &["add", "hooked"], CLI_WAIT).ok();
+    let pid = common::lifecycle::wait_pid_file(&pid_file, SETTLE);
+    let hook_proc = common::lifecycle::seen(pid);
+    let _pin = hook_proc.pin();
+    let copy = TestDir::new();
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(original.data_dir())
+        .arg(copy.data_dir())
+        .status()
+        .expect("cp -a");
+    assert!(copied.success(), "cp -a failed");
+    // Its lock and socket are the original's: a copy made live has them too.
+    let _ = std::fs::remove_file(copy.lock_path());
+    let _ = std::fs::remove_file(copy.socket_path());
+    let copy_config = copy.write_config("tick = \"100ms\"", "");
+    let mut other = Serve::start(&copy_config, "copy");
+    other.wait_ready(&copy.lock_path(), &copy.db_path());
+    other.stop_cleanly(Signal::SIGTERM);
+    assert!(
+        hook_proc.alive(),
+        "the copy ended the original's hook; its stderr:\n{}",
+        other.stderr()
+    );
+    live.stop_cleanly(Signal::SIGTERM);
 }
 
 fn runs_of_original(td: &TestDir, task: i64) -> Vec<runwarden::board::Run> {

@@ -327,10 +327,14 @@ fn token_path(data_dir: &Path) -> PathBuf {
 /// stopped cleanly has released: [`release_hook_token`]), and records and returns a new token
 /// for this incarnation's hooks.
 /// Called with the data dir's lock held. A token that cannot be recorded is logged: hooks
-/// still run, but a crash of this incarnation would leave what they run behind.
-pub fn take_over_hook_token(data_dir: &Path, kill_timeout: Duration) -> Arc<str> {
+/// still run, but a crash of this incarnation would leave what they run behind. `copy`: the
+/// data dir is a copy of one in use (see `board::home`), whose token is that supervisor's
+/// and its hooks' — replaced, and nothing carrying it is ended.
+pub fn take_over_hook_token(data_dir: &Path, kill_timeout: Duration, copy: bool) -> Arc<str> {
     let path = token_path(data_dir);
-    if let Ok(old) = std::fs::read_to_string(&path) {
+    if let Ok(old) = std::fs::read_to_string(&path)
+        && !copy
+    {
         let old = old.trim().to_string();
         let ended = std::thread::Builder::new()
             .name("runwarden-hooks-left".into())

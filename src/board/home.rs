@@ -12,24 +12,56 @@ use serde_json::json;
 use super::types::Millis;
 use super::{Result, Tx};
 
+/// A data dir as the board records it: its device and inode (`dev:ino`), and its path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Home {
+    pub id: String,
+    pub path: String,
+}
+
 impl Tx<'_> {
-    /// Records that the supervisor of `data_dir` (its device and inode, `dev:ino`) serves the
-    /// board from now on, in boot `boot_id`. Returns the data dir that served it before in the
-    /// same boot when it was another one: the board is a copy (or was moved), and its workers
-    /// may be another supervisor's ([`Tx::disown_workers`]).
-    pub fn take_home(&self, boot_id: &str, data_dir: &str, now: Millis) -> Result<Option<String>> {
-        let before: Option<(String, String)> = self
+    /// Records that the supervisor of the data dir `home` serves the board from now on, in
+    /// boot `boot_id`. Returns what served it before in the same boot when that was another
+    /// directory at another path: the board is a copy, and its workers may be another
+    /// supervisor's ([`Tx::disown_workers`]). The same path with another inode is this data
+    /// dir recreated (restored, copied back into place): its workers are its own.
+    /// `Some(None)`: the board has never recorded its home (a board of an older build, the
+    /// original or a copy: its caller looks at the workers themselves).
+    pub fn take_home(
+        &self,
+        boot_id: &str,
+        home: &Home,
+        now: Millis,
+    ) -> Result<Option<Option<String>>> {
+        let before: Option<(String, String, String)> = self
             .conn
-            .prepare_cached("SELECT boot_id, data_dir FROM board_home WHERE id = 1")?
-            .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .prepare_cached("SELECT boot_id, data_dir, path FROM board_home WHERE id = 1")?
+            .query_row([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
             .optional()?;
         self.conn
             .prepare_cached(
-                "INSERT INTO board_home (id, boot_id, data_dir, at) VALUES (1, ?1, ?2, ?3) \
-                 ON CONFLICT (id) DO UPDATE SET boot_id = ?1, data_dir = ?2, at = ?3",
+                "INSERT INTO board_home (id, boot_id, data_dir, path, at) VALUES (1, ?1, ?2, ?3, ?4) \
+                 ON CONFLICT (id) DO UPDATE SET boot_id = ?1, data_dir = ?2, path = ?3, at = ?4",
             )?
-            .execute(params![boot_id, data_dir, now])?;
-        Ok(before.and_then(|(boot, dir)| (boot == boot_id && dir != data_dir).then_some(dir)))
+            .execute(params![boot_id, home.id, home.path, now])?;
+        Ok(match before {
+            None => Some(None),
+            Some((boot, id, path)) if boot == boot_id && id != home.id && path != home.path => {
+                Some(Some(format!("{path} ({id})")))
+            }
+            Some(_) => None,
+        })
+    }
+
+    /// Whether the board has recorded its home (a board of this build's schema has, once a
+    /// supervisor served it).
+    pub fn home_recorded(&self) -> Result<bool> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT 1 FROM board_home WHERE id = 1")?
+            .query_row([], |_| Ok(()))
+            .optional()?
+            .is_some())
     }
 
     /// Forgets every worker on the board, without a signal: each run with worker evidence, a

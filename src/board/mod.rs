@@ -29,6 +29,7 @@ pub use dispatch::{
     ClaimRules, DispatchOptions, DispatchReport, SpawnFn, assignees_with_room, dispatch_once,
     plan_claims,
 };
+pub use home::Home;
 pub use reads::{DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT};
 pub use reaper::{Reap, ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
 pub use runs::{ExitInfo, FailResult, RecordedExit};
@@ -91,7 +92,8 @@ impl BoardError {
 
 /// The board holds every run's secret token: readable by its owner only. (SQLite gives the
 /// -wal and -shm files the database file's permissions when it makes them; ones already there
-/// are narrowed too.) A file of another user's is left as it is, said in the log.
+/// are narrowed too.) Through a link, as a chmod goes; one that cannot be changed (another
+/// user's, without the right to) is left as it is, said in the log.
 fn restrict_to_owner(path: &Path) {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let mut names = vec![path.to_path_buf()];
@@ -101,7 +103,7 @@ fn restrict_to_owner(path: &Path) {
         names.push(name.into());
     }
     for file in names {
-        let Ok(meta) = std::fs::symlink_metadata(&file) else {
+        let Ok(meta) = std::fs::metadata(&file) else {
             continue;
         };
         let mode = meta.mode() & 0o7777;
@@ -600,6 +602,47 @@ mod tests {
         assert_eq!(mode(&wal), 0o600);
         assert_eq!(mode(&dir.path().join("board.db-shm")), 0o600);
         drop(board);
+    }
+
+    /// A title over the bound, or with a NUL (neither can be a worker's environment), is
+    /// refused; a retry under the key of a task made before titles were bounded still finds it.
+    #[test]
+    fn titles_a_worker_could_not_be_given_are_refused_but_a_retry_finds_its_task() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut board = Board::open(&dir.path().join("board.db")).unwrap();
+        let long = "t".repeat(MAX_TITLE_BYTES + 1);
+        for title in [long.as_str(), "a\0b"] {
+            let err = board
+                .write(|tx| tx.create_task(&NewTask::titled(title), 1))
+                .expect_err("refused");
+            assert!(err.to_string().contains("title"), "{err}");
+        }
+        let mut keyed = NewTask::titled("short");
+        keyed.idempotency_key = Some("k".into());
+        let made = board.write(|tx| tx.create_task(&keyed, 1)).unwrap();
+        board
+            .execute_raw(
+                "UPDATE tasks SET title = ?1 WHERE id = ?2",
+                (&long, made.id),
+            )
+            .unwrap();
+        keyed.title = long.clone();
+        let again = board.write(|tx| tx.create_task(&keyed, 2)).unwrap();
+        assert_eq!((again.id, again.existed), (made.id, true));
+    }
+
+    /// A fresh board reached through a link (to a file not there yet) is narrowed as any
+    /// fresh board: a chmod goes through the link.
+    #[test]
+    fn a_fresh_board_through_a_link_is_the_owners_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("real.db");
+        let link = dir.path().join("board.db");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        drop(Board::open(&link).unwrap());
+        let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
     }
 
     /// A board that has room for only a few more pages.

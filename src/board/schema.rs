@@ -191,6 +191,7 @@ const MIGRATIONS: &[&str] = &[
         id       INTEGER PRIMARY KEY CHECK (id = 1),
         boot_id  TEXT NOT NULL,
         data_dir TEXT NOT NULL,
+        path     TEXT NOT NULL,
         at       INTEGER NOT NULL
     );
     "#,

@@ -49,12 +49,7 @@ impl Tx<'_> {
         if new.title.trim().is_empty() {
             return Err(BoardError::Invalid("title must not be empty".into()));
         }
-        if new.title.len() > MAX_TITLE_BYTES {
-            return Err(BoardError::Invalid(format!(
-                "title must be at most {MAX_TITLE_BYTES} bytes (it is its workers' RUNWARDEN_TASK_TITLE), not {}; put the rest in the body",
-                new.title.len()
-            )));
-        }
+
         // Out of range, they would silently mean something else (a negative runtime the
         // assignee's; negative retries giving up at the first failure).
         if let Some(ms) = new.max_runtime_ms
@@ -84,6 +79,20 @@ impl Tx<'_> {
             if let Some(id) = existing {
                 return Ok(Created { id, existed: true });
             }
+        }
+        // After the key's lookup: a retry of an add made before titles were bounded still
+        // finds its task.
+        if new.title.len() > MAX_TITLE_BYTES {
+            return Err(BoardError::Invalid(format!(
+                "title must be at most {MAX_TITLE_BYTES} bytes (it is its workers' RUNWARDEN_TASK_TITLE), not {}; put the rest in the body",
+                new.title.len()
+            )));
+        }
+        if new.title.contains('\0') {
+            return Err(BoardError::Invalid(
+                "title must not contain a NUL character (it is its workers' RUNWARDEN_TASK_TITLE)"
+                    .into(),
+            ));
         }
         // A parent named twice is one link (and said once in the `created` event).
         let mut parents = new.parents.clone();

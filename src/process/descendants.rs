@@ -404,6 +404,20 @@ fn read_environ(pid: Pid) -> std::io::Result<Vec<u8>> {
     through_thread.map_or(env, Ok)
 }
 
+/// The value of `name` in the environment of the process behind `fd` (verified by its
+/// caller), read while the pidfd pins it; `None` if it has none or it cannot be read.
+pub fn environ_var(fd: &super::PidFd, name: &str) -> Option<Vec<u8>> {
+    let env = read_environ(fd.pid()).ok()?;
+    // Read after the environment: the pid still names the process the pidfd pins.
+    if fd.wait_exit(Duration::ZERO).unwrap_or(true) {
+        return None;
+    }
+    let prefix = format!("{name}=");
+    env.split(|&b| b == 0)
+        .find_map(|v| v.strip_prefix(prefix.as_bytes()))
+        .map(<[u8]>::to_vec)
+}
+
 /// Signals one straggler: its whole group when it leads one (a `setsid` escapee does), else
 /// the process alone. Errors (already gone) are ignored: the goal is that it is gone.
 pub fn signal_straggler(fd: &super::PidFd, sig: super::Signal) {
