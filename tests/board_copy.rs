@@ -29,17 +29,8 @@ fn config(td: &TestDir, shutdown: &str) -> std::path::PathBuf {
 #[test]
 fn a_copy_of_a_board_in_use_never_touches_the_originals_workers() {
     let original = TestDir::new();
-    let mut live = Serve::start(&config(&original, "leave"), "live");
-    live.wait_ready(&original.lock_path(), &original.db_path());
-    let added = runwarden_cli(
-        &original.socket_path(),
-        &["add", "long job", "--assignee", "w"],
-        CLI_WAIT,
-    )
-    .ok();
-    let task: i64 = added.stdout.trim().parse().expect("add prints the id");
-    let (pid, fp) = wait_worker_in_board(&original.db_path(), task);
-    let worker = WorkerGuard::pin(pid, &fp);
+    let (mut live, task, worker) = live_with_a_worker(&original);
+    let pid = worker.pid;
 
     // A consistent copy of the live board (as `sqlite3 .backup` makes), served elsewhere.
     let copy = TestDir::new();

@@ -509,17 +509,7 @@ trap '' TERM; while :; do sleep 0.05; done"#;
         wait_until(SETTLE, || ignores_sigterm(pid)),
         "the leader never ignored SIGTERM"
     );
-    let ended_at = now_millis();
-    close_with_worker(&mut tb, task, run_id, pid, &fp, ended_at);
-
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &PidfdSignaller,
-        ended_at + 600_000,
-        GRACE,
-        Duration::from_secs(2),
-    )
-    .unwrap();
+    let reaped = close_and_sweep(&mut tb, task, run_id, pid, &fp, Duration::from_secs(2));
 
     assert_eq!(reaped, vec![task]);
     let term = std::fs::read_to_string(dir.join("term")).unwrap_or_default();
@@ -596,17 +586,7 @@ exec "sh", "-c", q({leader}) or die"#,
     );
     let child = seen(child_group);
     let _pin = child.pin();
-    let ended_at = now_millis();
-    close_with_worker(&mut tb, task, run_id, pid, &fp, ended_at);
-
-    let reaped = reap_terminal_workers(
-        &mut tb.board,
-        &PidfdSignaller,
-        ended_at + 600_000,
-        GRACE,
-        Duration::from_millis(700),
-    )
-    .unwrap();
+    let reaped = close_and_sweep(&mut tb, task, run_id, pid, &fp, Duration::from_millis(700));
 
     assert_eq!(reaped, vec![task]);
     assert!(exits_within_settle(&mut leader), "the leader survived");
@@ -730,6 +710,28 @@ fn claimed(tb: &mut common::board::TempBoard) -> (i64, i64, String) {
         })
         .expect("create and claim");
     (task_id, run_id, token)
+}
+
+/// [`close_with_worker`] now, then one sweep with the real signaller long after the grace,
+/// with `kill_timeout`: the tasks whose worker it ended.
+fn close_and_sweep(
+    tb: &mut common::board::TempBoard,
+    task: i64,
+    run_id: i64,
+    pid: i32,
+    fp: &Fingerprint,
+    kill_timeout: Duration,
+) -> Vec<i64> {
+    let ended_at = now_millis();
+    close_with_worker(tb, task, run_id, pid, fp, ended_at);
+    reap_terminal_workers(
+        &mut tb.board,
+        &PidfdSignaller,
+        ended_at + 600_000,
+        GRACE,
+        kill_timeout,
+    )
+    .unwrap()
 }
 
 /// Records `pid` as the run's worker and closes the run (completed) at `ended_at`.
