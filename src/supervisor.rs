@@ -348,10 +348,11 @@ where
 
 /// Records this data dir as the board's home, and disowns every worker on the board when it
 /// is a copy of a board in use (see `board::home`): served earlier in this boot from another
-/// data dir at another path, or — a board that never recorded its home (an older build's) —
-/// whose live workers report to another supervisor's socket that answers. Done before the
-/// reaper's first sweep and the first reconcile, so none of them is adopted or signalled.
-/// True when the board is such a copy.
+/// data dir at another path that is still there (one that is gone was moved here: its workers
+/// are this board's), or — a board that never recorded its home, or one moved — whose live
+/// workers report to another supervisor's socket that answers. Done before the reaper's first
+/// sweep and the first reconcile, so none of them is adopted or signalled. True when the board
+/// is such a copy.
 fn disown_a_copys_workers(config: &Config) -> Result<bool, SupervisorError> {
     use std::os::unix::fs::MetadataExt;
     let dir = &config.supervisor.data_dir;
@@ -359,9 +360,9 @@ fn disown_a_copys_workers(config: &Config) -> Result<bool, SupervisorError> {
         path: dir.clone(),
         source,
     };
-    let meta = std::fs::metadata(dir).map_err(dir_err)?;
+    let id_of = |meta: &std::fs::Metadata| format!("{}:{}", meta.dev(), meta.ino());
     let home = board::Home {
-        id: format!("{}:{}", meta.dev(), meta.ino()),
+        id: id_of(&std::fs::metadata(dir).map_err(dir_err)?),
         path: std::fs::canonicalize(dir)
             .map_err(dir_err)?
             .display()
@@ -369,22 +370,26 @@ fn disown_a_copys_workers(config: &Config) -> Result<bool, SupervisorError> {
     };
     let boot = process::boot_id().map_err(|e| SupervisorError::Runtime(e.to_string()))?;
     let mut board = board::Board::open(&config.db_path())?;
-    let (recorded, open) = board.read(|tx| Ok((tx.home_recorded()?, tx.open_runs()?)))?;
-    let elsewhere = if recorded {
-        None
-    } else {
+    let open = board.read(|tx| tx.open_runs())?;
+    // Asked only where it decides (a /proc read and a connect per live worker).
+    let elsewhere = || {
         open.iter()
             .find_map(|run| reports_elsewhere(run, &config.socket_path()))
+            .map(|socket| format!("the supervisor listening on {}", socket.display()))
     };
     let disowned = board.write(|tx| {
         let now = board::now_millis();
         let before = match tx.take_home(&boot, &home, now)? {
-            Some(Some(before)) => before,
-            Some(None) => match &elsewhere {
-                Some(socket) => format!("the supervisor listening on {}", socket.display()),
+            board::Before::Here => return Ok(None),
+            board::Before::Elsewhere(other)
+                if std::fs::metadata(&other.path).is_ok_and(|m| id_of(&m) == other.id) =>
+            {
+                format!("{} ({})", other.path, other.id)
+            }
+            board::Before::Elsewhere(_) | board::Before::Unrecorded => match elsewhere() {
+                Some(other) => other,
                 None => return Ok(None),
             },
-            None => return Ok(None),
         };
         Ok(Some((before.clone(), tx.disown_workers(&before, now)?)))
     })?;

@@ -231,3 +231,28 @@ fn runs_of_original(td: &TestDir, task: i64) -> Vec<runwarden::board::Run> {
     let mut board = common::runtime::open_ro(&td.db_path());
     runs_of(&mut board, task)
 }
+
+/// The data dir moved to another path (and file system) while its workers run — copied there
+/// and the original removed, as a move to a bigger disk goes: the board's recorded home is
+/// gone, so this is that data dir moved, not a copy of one in use: its workers are adopted.
+#[test]
+fn a_data_dir_moved_elsewhere_adopts_its_workers() {
+    let td = TestDir::new();
+    let (mut live, task, worker) = live_with_a_worker(&td);
+    live.stop_cleanly(Signal::SIGTERM);
+    let moved = TestDir::new();
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(td.data_dir())
+        .arg(moved.data_dir())
+        .status()
+        .expect("cp -a");
+    assert!(copied.success(), "cp -a failed");
+    std::fs::remove_dir_all(td.data_dir()).expect("remove the old data dir");
+    let mut again = Serve::start(&config(&moved, "leave"), "moved");
+    again.wait_ready(&moved.lock_path(), &moved.db_path());
+    let seen = settled(&moved.db_path(), task);
+    assert_eq!(seen.kind, "worker_adopted", "{seen:?}\n{}", again.stderr());
+    again.stop_cleanly(Signal::SIGTERM);
+    assert!(worker.alive(), "shutdown = \"leave\" leaves it running");
+}

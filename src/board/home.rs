@@ -19,20 +19,24 @@ pub struct Home {
     pub path: String,
 }
 
+/// What served the board before, as [`Tx::take_home`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Before {
+    /// Nothing recorded: a board no supervisor of this schema has served (an older build's,
+    /// the original or a copy: the caller looks at the workers themselves).
+    Unrecorded,
+    /// This data dir, or one of another boot (whose workers are gone with it). The same path
+    /// with another inode is this data dir recreated (restored, copied back into place).
+    Here,
+    /// Another directory at another path, in this boot: the board is a copy of that one's —
+    /// or that one was moved here (its caller tells them apart).
+    Elsewhere(Home),
+}
+
 impl Tx<'_> {
     /// Records that the supervisor of the data dir `home` serves the board from now on, in
-    /// boot `boot_id`. Returns what served it before in the same boot when that was another
-    /// directory at another path: the board is a copy, and its workers may be another
-    /// supervisor's ([`Tx::disown_workers`]). The same path with another inode is this data
-    /// dir recreated (restored, copied back into place): its workers are its own.
-    /// `Some(None)`: the board has never recorded its home (a board of an older build, the
-    /// original or a copy: its caller looks at the workers themselves).
-    pub fn take_home(
-        &self,
-        boot_id: &str,
-        home: &Home,
-        now: Millis,
-    ) -> Result<Option<Option<String>>> {
+    /// boot `boot_id`, and says what served it before.
+    pub fn take_home(&self, boot_id: &str, home: &Home, now: Millis) -> Result<Before> {
         let before: Option<(String, String, String)> = self
             .conn
             .prepare_cached("SELECT boot_id, data_dir, path FROM board_home WHERE id = 1")?
@@ -45,11 +49,11 @@ impl Tx<'_> {
             )?
             .execute(params![boot_id, home.id, home.path, now])?;
         Ok(match before {
-            None => Some(None),
+            None => Before::Unrecorded,
             Some((boot, id, path)) if boot == boot_id && id != home.id && path != home.path => {
-                Some(Some(format!("{path} ({id})")))
+                Before::Elsewhere(Home { id, path })
             }
-            Some(_) => None,
+            Some(_) => Before::Here,
         })
     }
 

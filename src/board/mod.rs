@@ -29,7 +29,7 @@ pub use dispatch::{
     ClaimRules, DispatchOptions, DispatchReport, SpawnFn, assignees_with_room, dispatch_once,
     plan_claims,
 };
-pub use home::Home;
+pub use home::{Before, Home};
 pub use reads::{DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT};
 pub use reaper::{Reap, ReapCandidate, ReapVerdict, reap_one, reap_terminal_workers};
 pub use runs::{ExitInfo, FailResult, RecordedExit};
