@@ -278,6 +278,9 @@ pub struct DispatcherActor {
     reconciled_once: tokio::sync::watch::Sender<bool>,
     /// Found workers whose record (or release) is still being written.
     first_followups: usize,
+    /// How many of those have been written so far: a reconcile that read the board before one
+    /// was does not complete the first reconcile (see `reconcile`).
+    followups_settled: u64,
 }
 
 impl DispatcherActor {
@@ -323,6 +326,7 @@ impl DispatcherActor {
             first_reconcile: None,
             reconciled_once: tokio::sync::watch::Sender::new(false),
             first_followups: 0,
+            followups_settled: 0,
         }
     }
 

@@ -206,6 +206,7 @@ impl DispatcherActor {
             return;
         }
         self.reconciling = true;
+        let settled_before = self.followups_settled;
         let store = self.store.clone();
         // Probing liveness reads /proc (and, for an unstarted run, scans every process's
         // environment): that happens here, on the blocking pool, never on the actor thread.
@@ -244,13 +245,21 @@ impl DispatcherActor {
                 .await
         }
         .into_actor(self)
-        .map(|res, act, ctx| {
+        .map(move |res, act, ctx| {
             act.reconciling = false;
             match res {
                 Ok(runs) => act.reconcile_runs(runs, ctx),
                 Err(e) => tracing::warn!(error = %e, "reconcile: cannot read open runs"),
             }
-            if act.first_followups == 0 {
+            let first_pending = act.first_reconcile.is_some() || !*act.reconciled_once.borrow();
+            if act.first_followups == 0 && first_pending {
+                if act.followups_settled != settled_before {
+                    // A found worker was recorded while this reconcile read the board (its own
+                    // call to reconcile came while this one ran, and was dropped): the next
+                    // one adopts it, and only then is the first reconcile done.
+                    act.reconcile(ctx);
+                    return;
+                }
                 if let Some(done) = act.first_reconcile.take() {
                     let _ = done.send(());
                 }
@@ -458,6 +467,7 @@ impl DispatcherActor {
                 .map(move |_, act, ctx| {
                     act.closing.remove(&run_id);
                     act.first_followups -= 1;
+                    act.followups_settled += 1;
                     if act.first_followups == 0 && act.first_reconcile.is_some() {
                         // Adopt what was just recorded now, not a tick later.
                         act.reconcile(ctx);
