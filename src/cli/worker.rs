@@ -140,6 +140,13 @@ pub fn block(cli: &Cli, out: Out, args: &BlockArgs) -> Result<(), CliError> {
             reason,
             force: args.force,
         },
+        // One argument outside a worker that names a task: the reason is what is missing.
+        (None, None) if super::task_id(&req_reason(args)).is_ok() => {
+            return Err(CliError::usage(format!(
+                "a reason is needed: runwarden block {} REASON",
+                req_reason(args)
+            )));
+        }
         (None, None) => return Err(not_in_worker("block ID REASON")),
     };
     let worker = req.token.is_some();
@@ -221,6 +228,11 @@ fn request<T>(
         std::thread::sleep(delay.min(deadline.saturating_duration_since(Instant::now())));
         delay = (delay * 2).min(Duration::from_secs(2));
     }
+}
+
+/// `block`'s one argument (taken for the reason).
+fn req_reason(args: &BlockArgs) -> String {
+    args.args.first().cloned().unwrap_or_default()
 }
 
 /// A refusal for want of space: nothing of the report was written (the transaction rolled
