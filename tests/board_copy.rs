@@ -19,11 +19,23 @@ use runwarden::process::Signal;
 const CLI_WAIT: Duration = Duration::from_secs(30);
 
 fn config(td: &TestDir, shutdown: &str) -> std::path::PathBuf {
-    td.write_config(
-        &format!("tick = \"100ms\"\nshutdown = \"{shutdown}\""),
-        "[reaper]\ngrace = \"300ms\"\nkill_timeout = \"1s\"\n\n[leases]\nstale_after = \"1s\"\n\n\
-         [assignees.w]\ncommand = [\"sleep\", \"300\"]\n",
+    config_at(td, &td.data_dir(), shutdown)
+}
+
+/// [`config`] naming the data dir as `data_dir` (another spelling of it, say).
+fn config_at(td: &TestDir, data_dir: &std::path::Path, shutdown: &str) -> std::path::PathBuf {
+    let path = td.path().join("config.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[supervisor]\ndata_dir = {:?}\ntick = \"100ms\"\nshutdown = \"{shutdown}\"\n\n\
+             [reaper]\ngrace = \"300ms\"\nkill_timeout = \"1s\"\n\n[leases]\nstale_after = \"1s\"\n\n\
+             [assignees.w]\ncommand = [\"sleep\", \"300\"]\n",
+            data_dir.display().to_string()
+        ),
     )
+    .expect("write config.toml");
+    path
 }
 
 #[test]
@@ -252,6 +264,45 @@ fn a_data_dir_moved_elsewhere_adopts_its_workers() {
     let mut again = Serve::start(&config(&moved, "leave"), "moved");
     again.wait_ready(&moved.lock_path(), &moved.db_path());
     let seen = settled(&moved.db_path(), task);
+    assert_eq!(seen.kind, "worker_adopted", "{seen:?}\n{}", again.stderr());
+    again.stop_cleanly(Signal::SIGTERM);
+    assert!(worker.alive(), "shutdown = \"leave\" leaves it running");
+}
+
+/// A board an older build served (no home recorded) whose worker reports to this very data
+/// dir's socket, spelled another way (the config named the data dir through a link then): the
+/// socket it names is the one this supervisor listens on — its own, not another's.
+#[test]
+fn a_worker_reporting_to_our_own_socket_by_another_path_is_adopted() {
+    let td = TestDir::new();
+    let alias = td.path().join("alias");
+    std::os::unix::fs::symlink(td.path(), &alias).expect("a link to the test dir");
+    let through_link = alias.join("data");
+    let mut first = Serve::start(&config_at(&td, &through_link, "leave"), "first");
+    first.wait_ready(&td.lock_path(), &td.db_path());
+    let added = runwarden_cli(
+        &td.socket_path(),
+        &["add", "long job", "--assignee", "w"],
+        CLI_WAIT,
+    )
+    .ok();
+    let task: i64 = added.stdout.trim().parse().expect("add prints the id");
+    let (pid, fp) = wait_worker_in_board(&td.db_path(), task);
+    let worker = WorkerGuard::pin(pid, &fp);
+    first.stop_cleanly(Signal::SIGTERM);
+    // As a board of schema 9, which recorded no home.
+    let board = Board::open(&td.db_path()).expect("open the board");
+    board
+        .execute_raw("DROP TABLE board_home", [])
+        .expect("as a board of schema 9");
+    board
+        .execute_raw("PRAGMA user_version = 9", [])
+        .expect("as a board of schema 9");
+    drop(board);
+
+    let mut again = Serve::start(&config(&td, "leave"), "again");
+    again.wait_ready(&td.lock_path(), &td.db_path());
+    let seen = settled(&td.db_path(), task);
     assert_eq!(seen.kind, "worker_adopted", "{seen:?}\n{}", again.stderr());
     again.stop_cleanly(Signal::SIGTERM);
     assert!(worker.alive(), "shutdown = \"leave\" leaves it running");

@@ -19,7 +19,7 @@ pub struct Home {
     pub path: String,
 }
 
-/// What served the board before, as [`Tx::take_home`] found it.
+/// What served the board before ([`Before::of`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Before {
     /// Nothing recorded: a board no supervisor of this schema has served (an older build's,
@@ -33,39 +33,50 @@ pub enum Before {
     Elsewhere(Home),
 }
 
+impl Before {
+    /// What served the board before the supervisor of `home` in boot `boot_id`, from what
+    /// the board recorded ([`Tx::recorded_home`]).
+    pub fn of(recorded: Option<(String, Home)>, boot_id: &str, home: &Home) -> Before {
+        match recorded {
+            None => Before::Unrecorded,
+            Some((boot, other))
+                if boot == boot_id && other.id != home.id && other.path != home.path =>
+            {
+                Before::Elsewhere(other)
+            }
+            Some(_) => Before::Here,
+        }
+    }
+}
+
 impl Tx<'_> {
-    /// Records that the supervisor of the data dir `home` serves the board from now on, in
-    /// boot `boot_id`, and says what served it before.
-    pub fn take_home(&self, boot_id: &str, home: &Home, now: Millis) -> Result<Before> {
-        let before: Option<(String, String, String)> = self
+    /// The data dir (and boot) that served the board last, if one recorded itself.
+    pub fn recorded_home(&self) -> Result<Option<(String, Home)>> {
+        Ok(self
             .conn
             .prepare_cached("SELECT boot_id, data_dir, path FROM board_home WHERE id = 1")?
-            .query_row([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .optional()?;
+            .query_row([], |r| {
+                Ok((
+                    r.get(0)?,
+                    Home {
+                        id: r.get(1)?,
+                        path: r.get(2)?,
+                    },
+                ))
+            })
+            .optional()?)
+    }
+
+    /// Records that the supervisor of the data dir `home` serves the board from now on, in
+    /// boot `boot_id`.
+    pub fn record_home(&self, boot_id: &str, home: &Home, now: Millis) -> Result<()> {
         self.conn
             .prepare_cached(
                 "INSERT INTO board_home (id, boot_id, data_dir, path, at) VALUES (1, ?1, ?2, ?3, ?4) \
                  ON CONFLICT (id) DO UPDATE SET boot_id = ?1, data_dir = ?2, path = ?3, at = ?4",
             )?
             .execute(params![boot_id, home.id, home.path, now])?;
-        Ok(match before {
-            None => Before::Unrecorded,
-            Some((boot, id, path)) if boot == boot_id && id != home.id && path != home.path => {
-                Before::Elsewhere(Home { id, path })
-            }
-            Some(_) => Before::Here,
-        })
-    }
-
-    /// Whether the board has recorded its home (a board of this build's schema has, once a
-    /// supervisor served it).
-    pub fn home_recorded(&self) -> Result<bool> {
-        Ok(self
-            .conn
-            .prepare_cached("SELECT 1 FROM board_home WHERE id = 1")?
-            .query_row([], |_| Ok(()))
-            .optional()?
-            .is_some())
+        Ok(())
     }
 
     /// Forgets every worker on the board, without a signal: each run with worker evidence, a
