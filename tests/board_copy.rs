@@ -117,7 +117,12 @@ fn copy_board(from: &TestDir, to: &TestDir) {
 /// A supervisor running one `sleep 300` task with `shutdown = "leave"`: it, the task and its
 /// pinned worker.
 fn live_with_a_worker(td: &TestDir) -> (Serve, i64, WorkerGuard) {
-    let mut live = Serve::start(&config(td, "leave"), "live");
+    live_at(td, &td.data_dir())
+}
+
+/// [`live_with_a_worker`] with the data dir named `data_dir` in its config.
+fn live_at(td: &TestDir, data_dir: &std::path::Path) -> (Serve, i64, WorkerGuard) {
+    let mut live = Serve::start(&config_at(td, data_dir, "leave"), "live");
     live.wait_ready(&td.lock_path(), &td.db_path());
     let added = runwarden_cli(
         &td.socket_path(),
@@ -145,14 +150,7 @@ fn a_copy_of_a_board_an_older_build_serves_disowns_its_workers_too() {
     let (mut live, task, worker) = live_with_a_worker(&original);
     let copy = TestDir::new();
     copy_board(&original, &copy);
-    let board = Board::open(&copy.db_path()).expect("open the copy");
-    board
-        .execute_raw("DROP TABLE board_home", [])
-        .expect("as a board of schema 9");
-    board
-        .execute_raw("PRAGMA user_version = 9", [])
-        .expect("as a board of schema 9");
-    drop(board);
+    as_schema_9(&copy.db_path());
     let mut other = Serve::start(&config(&copy, "terminate"), "copy");
     other.wait_ready(&copy.lock_path(), &copy.db_path());
     let seen = settled(&copy.db_path(), task);
@@ -179,19 +177,8 @@ fn a_data_dir_recreated_at_its_own_path_adopts_its_workers() {
     let data = td.data_dir();
     let old = td.path().join("data.old");
     std::fs::rename(&data, &old).expect("move the data dir away");
-    let copied = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(&old)
-        .arg(&data)
-        .status()
-        .expect("cp -a");
-    assert!(copied.success(), "cp -a failed");
-    let mut again = Serve::start(&config(&td, "leave"), "again");
-    again.wait_ready(&td.lock_path(), &td.db_path());
-    let seen = settled(&td.db_path(), task);
-    assert_eq!(seen.kind, "worker_adopted", "{seen:?}\n{}", again.stderr());
-    again.stop_cleanly(Signal::SIGTERM);
-    assert!(worker.alive(), "shutdown = \"leave\" leaves it running");
+    cp_a(&old, &data);
+    assert_adopted_by_a_start(&td, task, &worker, "again");
 }
 
 /// A copy of the whole data dir (`cp -a`) while a hook of the original runs: the copied
@@ -217,13 +204,7 @@ fn a_copy_of_the_whole_data_dir_leaves_the_originals_hooks_alone() {
     let hook_proc = common::lifecycle::seen(pid);
     let _pin = hook_proc.pin();
     let copy = TestDir::new();
-    let copied = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(original.data_dir())
-        .arg(copy.data_dir())
-        .status()
-        .expect("cp -a");
-    assert!(copied.success(), "cp -a failed");
+    cp_a(original.data_dir(), copy.data_dir());
     // Its lock and socket are the original's: a copy made live has them too.
     let _ = std::fs::remove_file(copy.lock_path());
     let _ = std::fs::remove_file(copy.socket_path());
@@ -237,6 +218,35 @@ fn a_copy_of_the_whole_data_dir_leaves_the_originals_hooks_alone() {
         other.stderr()
     );
     live.stop_cleanly(Signal::SIGTERM);
+}
+
+/// `cp -a from to`.
+fn cp_a(from: impl AsRef<std::path::Path>, to: impl AsRef<std::path::Path>) {
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(from.as_ref())
+        .arg(to.as_ref())
+        .status()
+        .expect("cp -a");
+    assert!(copied.success(), "cp -a failed");
+}
+
+/// Makes the board at `db` one of schema 9, which recorded no home.
+fn as_schema_9(db: &std::path::Path) {
+    let board = Board::open(db).expect("open the board");
+    for sql in ["DROP TABLE board_home", "PRAGMA user_version = 9"] {
+        board.execute_raw(sql, []).expect("as a board of schema 9");
+    }
+}
+
+/// Starts `serve` on `td` (`leave`), and checks it adopts `task`'s `worker`; stops it.
+fn assert_adopted_by_a_start(td: &TestDir, task: i64, worker: &WorkerGuard, name: &str) {
+    let mut again = Serve::start(&config(td, "leave"), name);
+    again.wait_ready(&td.lock_path(), &td.db_path());
+    let seen = settled(&td.db_path(), task);
+    assert_eq!(seen.kind, "worker_adopted", "{seen:?}\n{}", again.stderr());
+    again.stop_cleanly(Signal::SIGTERM);
+    assert!(worker.alive(), "shutdown = \"leave\" leaves it running");
 }
 
 fn runs_of_original(td: &TestDir, task: i64) -> Vec<runwarden::board::Run> {
@@ -253,20 +263,9 @@ fn a_data_dir_moved_elsewhere_adopts_its_workers() {
     let (mut live, task, worker) = live_with_a_worker(&td);
     live.stop_cleanly(Signal::SIGTERM);
     let moved = TestDir::new();
-    let copied = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(td.data_dir())
-        .arg(moved.data_dir())
-        .status()
-        .expect("cp -a");
-    assert!(copied.success(), "cp -a failed");
+    cp_a(td.data_dir(), moved.data_dir());
     std::fs::remove_dir_all(td.data_dir()).expect("remove the old data dir");
-    let mut again = Serve::start(&config(&moved, "leave"), "moved");
-    again.wait_ready(&moved.lock_path(), &moved.db_path());
-    let seen = settled(&moved.db_path(), task);
-    assert_eq!(seen.kind, "worker_adopted", "{seen:?}\n{}", again.stderr());
-    again.stop_cleanly(Signal::SIGTERM);
-    assert!(worker.alive(), "shutdown = \"leave\" leaves it running");
+    assert_adopted_by_a_start(&moved, task, &worker, "moved");
 }
 
 /// A board an older build served (no home recorded) whose worker reports to this very data
@@ -278,32 +277,10 @@ fn a_worker_reporting_to_our_own_socket_by_another_path_is_adopted() {
     let alias = td.path().join("alias");
     std::os::unix::fs::symlink(td.path(), &alias).expect("a link to the test dir");
     let through_link = alias.join("data");
-    let mut first = Serve::start(&config_at(&td, &through_link, "leave"), "first");
-    first.wait_ready(&td.lock_path(), &td.db_path());
-    let added = runwarden_cli(
-        &td.socket_path(),
-        &["add", "long job", "--assignee", "w"],
-        CLI_WAIT,
-    )
-    .ok();
-    let task: i64 = added.stdout.trim().parse().expect("add prints the id");
-    let (pid, fp) = wait_worker_in_board(&td.db_path(), task);
-    let worker = WorkerGuard::pin(pid, &fp);
+    let (mut first, task, worker) = live_at(&td, &through_link);
     first.stop_cleanly(Signal::SIGTERM);
     // As a board of schema 9, which recorded no home.
-    let board = Board::open(&td.db_path()).expect("open the board");
-    board
-        .execute_raw("DROP TABLE board_home", [])
-        .expect("as a board of schema 9");
-    board
-        .execute_raw("PRAGMA user_version = 9", [])
-        .expect("as a board of schema 9");
-    drop(board);
+    as_schema_9(&td.db_path());
 
-    let mut again = Serve::start(&config(&td, "leave"), "again");
-    again.wait_ready(&td.lock_path(), &td.db_path());
-    let seen = settled(&td.db_path(), task);
-    assert_eq!(seen.kind, "worker_adopted", "{seen:?}\n{}", again.stderr());
-    again.stop_cleanly(Signal::SIGTERM);
-    assert!(worker.alive(), "shutdown = \"leave\" leaves it running");
+    assert_adopted_by_a_start(&td, task, &worker, "again");
 }
