@@ -266,6 +266,9 @@ fn task_commands_in_both_output_modes() {
     assert!(err.contains("not inside a worker"), "{err}");
     let (code, err) = failed(&d.cli(&["heartbeat"]));
     assert_eq!(code, 2, "{err}");
+    // A negative event id is no place to start from.
+    let (code, err) = failed(&d.cli(&["events", "--since", "-1"]));
+    assert_eq!(code, 2, "{err}");
     // An operator's block with a task and no reason: the reason is what is missing.
     let (code, err) = failed(&d.cli(&["block", &parent.to_string()]));
     assert_eq!(code, 2, "{err}");

@@ -84,7 +84,8 @@ pub struct Cli {
     /// Config file (default: $RUNWARDEN_CONFIG, else ./config.toml).
     #[arg(long, global = true, value_name = "PATH")]
     pub config: Option<PathBuf>,
-    /// Control socket (default: from the config, or $RUNWARDEN_SOCKET inside a worker).
+    /// Control socket (default: --config's, else $RUNWARDEN_SOCKET, as inside a worker, else
+    /// the one of $RUNWARDEN_CONFIG or ./config.toml).
     #[arg(long, global = true, value_name = "PATH")]
     pub socket: Option<PathBuf>,
     /// Machine-readable JSON output (stable snake_case field names).

@@ -29,7 +29,7 @@ pub struct EventsArgs {
     #[arg(long, short)]
     pub follow: bool,
     /// Start after this event id (default: the beginning).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(EventId).range(0..))]
     pub since: EventId,
 }
 
