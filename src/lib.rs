@@ -27,6 +27,8 @@
 //! - [`lock`]: one supervisor per board (an `flock`ed lock file naming its holder).
 //! - `data_dir` (internal): the data directory's `logs/` and `work/`, whether it is the
 //!   supervisor's alone, and the modes that follow.
+//! - `copy_check` (internal): at start, whether the board is a copy of one in use (another
+//!   data dir's, in this boot), whose workers are then disowned, never adopted or signalled.
 //! - [`cli`]: the thin `runwarden` command line.
 #![deny(rust_2018_idioms)]
 
@@ -35,6 +37,7 @@ pub mod board;
 pub mod cli;
 pub mod config;
 pub mod control;
+mod copy_check;
 mod data_dir;
 pub mod lock;
 pub mod process;

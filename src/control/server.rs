@@ -42,6 +42,11 @@ pub fn set_first_reconcile_wait(wait: Duration) {
     FIRST_RECONCILE_WAIT_MS.store(wait.as_millis() as u64, std::sync::atomic::Ordering::SeqCst);
 }
 
+/// How long the socket (and `Supervisor::start`) waits for the first reconcile at most.
+pub(crate) fn first_reconcile_wait() -> Duration {
+    Duration::from_millis(FIRST_RECONCILE_WAIT_MS.load(std::sync::atomic::Ordering::SeqCst))
+}
+
 /// Why the control server could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -142,15 +147,13 @@ pub struct BoundSocket {
 impl BoundSocket {
     /// Starts serving with `services`. Must be called inside the supervisor's actix system.
     ///
-    /// Connections are accepted once `reconciled` is told (or dropped), or after 5 s
+    /// Connections are accepted once the first reconcile is done (`Services::first_reconcile`,
+    /// or its dispatcher gone), or after 5 s
     /// (`set_first_reconcile_wait`): a restarted supervisor first takes over the workers of the
     /// previous one, so a report that was waiting for it lands on an adopted run, never ahead
     /// of the adoption. Until then clients wait in the listen queue.
-    pub fn serve(
-        mut self,
-        services: Services,
-        reconciled: tokio::sync::oneshot::Receiver<()>,
-    ) -> Result<ControlServer, ControlError> {
+    pub fn serve(mut self, services: Services) -> Result<ControlServer, ControlError> {
+        let reconciled = services.first_reconcile.clone();
         let socket = self.socket.clone();
         let listener = self.listener.take().expect("a bound socket is served once");
         let listener = UnixListener::from_std(listener).map_err(io_err("listen on", &socket))?;
@@ -400,13 +403,13 @@ async fn accept_loop(
     allowed: Allowed,
     slots: Slots,
     mut stopping: watch::Receiver<bool>,
-    reconciled: tokio::sync::oneshot::Receiver<()>,
+    mut reconciled: watch::Receiver<bool>,
 ) {
-    let bound =
-        Duration::from_millis(FIRST_RECONCILE_WAIT_MS.load(std::sync::atomic::Ordering::SeqCst));
+    let bound = first_reconcile_wait();
     tokio::select! {
         _ = stopping.changed() => return,
-        _ = reconciled => {}
+        // Done, or its dispatcher gone (an error): either way, nothing more to wait for.
+        _ = reconciled.wait_for(|done| *done) => {}
         _ = tokio::time::sleep(bound) => {
             tracing::warn!(waited = ?bound, "control: the first reconcile has not finished; accepting anyway");
         }

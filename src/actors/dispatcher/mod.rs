@@ -269,12 +269,11 @@ pub struct DispatcherActor {
     last_promote_sweep: Option<std::time::Instant>,
     /// When the tick's chores last gave the allocator's free memory back (see `trim_heap`).
     last_heap_trim: Option<std::time::Instant>,
-    /// Told once the first reconcile has decided about every run of a previous incarnation
+    /// True once the first reconcile has decided about every run of a previous incarnation
     /// (adopted, held, or closing) — including the workers it found by their token, which a
-    /// reconcile adopts once they are recorded: the control socket accepts only after that.
-    first_reconcile: Option<tokio::sync::oneshot::Sender<()>>,
-    /// True once the first reconcile is done (as `first_reconcile` is told): a `terminate`
-    /// stop waits for it, or the workers it adopts after would be left running.
+    /// reconcile adopts once they are recorded. The control socket accepts, and
+    /// `Supervisor::start` returns, only after that; a `terminate` stop waits for it, or the
+    /// workers it adopts after would be left running.
     reconciled_once: tokio::sync::watch::Sender<bool>,
     /// Found workers whose record (or release) is still being written.
     first_followups: usize,
@@ -323,23 +322,14 @@ impl DispatcherActor {
             retention: retention::Retention::default(),
             last_promote_sweep: None,
             last_heap_trim: None,
-            first_reconcile: None,
             reconciled_once: tokio::sync::watch::Sender::new(false),
             first_followups: 0,
             followups_settled: 0,
         }
     }
 
-    /// `done` is told once the first reconcile has decided about every run of a previous
-    /// incarnation (adopted, held, or closing), including the workers it found by their token
-    /// and adopts once they are recorded: the control socket accepts only after that.
-    pub fn tell_first_reconcile(mut self, done: tokio::sync::oneshot::Sender<()>) -> Self {
-        self.first_reconcile = Some(done);
-        self
-    }
-
-    /// Turns true once the first reconcile is done (when the `tell_first_reconcile` channel is
-    /// told).
+    /// Turns true once the first reconcile has decided about every run of a previous
+    /// incarnation (see the field `reconciled_once`).
     pub fn first_reconcile_done(&self) -> tokio::sync::watch::Receiver<bool> {
         self.reconciled_once.subscribe()
     }

@@ -251,17 +251,13 @@ impl DispatcherActor {
                 Ok(runs) => act.reconcile_runs(runs, ctx),
                 Err(e) => tracing::warn!(error = %e, "reconcile: cannot read open runs"),
             }
-            let first_pending = act.first_reconcile.is_some() || !*act.reconciled_once.borrow();
-            if act.first_followups == 0 && first_pending {
+            if act.first_followups == 0 && !*act.reconciled_once.borrow() {
                 if act.followups_settled != settled_before {
                     // A found worker was recorded while this reconcile read the board (its own
                     // call to reconcile came while this one ran, and was dropped): the next
                     // one adopts it, and only then is the first reconcile done.
                     act.reconcile(ctx);
                     return;
-                }
-                if let Some(done) = act.first_reconcile.take() {
-                    let _ = done.send(());
                 }
                 act.reconciled_once.send_replace(true);
             }
@@ -397,7 +393,7 @@ impl DispatcherActor {
             Probe::Unstarted { leader } => {
                 self.closing.insert(run_id);
                 // A worker found by its token is adopted by the reconcile after its record:
-                // the first one's signal waits for that (see `first_reconcile`).
+                // the first one's signal waits for that (see `reconciled_once`).
                 self.first_followups += 1;
                 let kill = self.config.reaper.kill_timeout;
                 let token = run.token.clone();
@@ -468,7 +464,7 @@ impl DispatcherActor {
                     act.closing.remove(&run_id);
                     act.first_followups -= 1;
                     act.followups_settled += 1;
-                    if act.first_followups == 0 && act.first_reconcile.is_some() {
+                    if act.first_followups == 0 && !*act.reconciled_once.borrow() {
                         // Adopt what was just recorded now, not a tick later.
                         act.reconcile(ctx);
                     }
