@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 
 use crate::actors::dispatcher::{DispatcherActor, LiveWorkers, StopDispatching};
 use crate::actors::hooks::{HookActor, HooksStop, release_hook_token, take_over_hook_token};
-use crate::actors::reaper::{ReaperActor, SweepNow};
+use crate::actors::reaper::{EndLeftovers, ReaperActor, SweepNow};
 use crate::actors::spawn::Spawner;
 use crate::actors::store::{Flush, Store, StoreActor, StoreError};
 use crate::board::{self, Created, NewTask, OpenOptions, RunId, Task, TaskDetail, TaskId};
@@ -257,6 +257,10 @@ async fn stop(services: &Services) {
         .dispatcher
         .send(StopDispatching { terminate })
         .await;
+    if terminate {
+        // A previous incarnation's worker still within its grace is no dispatcher's.
+        let _ = services.reaper.send(EndLeftovers).await;
+    }
     let _ = services.store.addr.send(Flush).await;
     tracing::info!("supervisor stopped");
 }

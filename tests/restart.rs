@@ -21,6 +21,7 @@ use common::runtime::{SETTLE, Serve, TestDir, WorkerGuard};
 use runwarden::board::{NewTask, RunOutcome, TaskId, TaskStatus, now_millis};
 use runwarden::process::Signal;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 const TASKS: usize = 20;
 
@@ -334,6 +335,55 @@ fn a_terminating_stop_right_after_the_start_ends_the_previous_incarnations_worke
         found.consecutive_failures,
         0,
         "not a failure: {}",
+        db.history(task)
+    );
+}
+
+/// A previous incarnation's worker that reported "done" and still runs within its grace is no
+/// dispatcher's (its run is closed, nothing adopts it); a `terminate` stop ends it all the same
+/// rather than leaving it to a grace no supervisor will be there to end.
+#[test]
+fn a_terminating_stop_ends_a_previous_incarnations_worker_within_its_grace() {
+    use common::runtime::{lib_config, wait_worker};
+    use runwarden::Supervisor;
+    use runwarden::config::{AssigneeConfig, ShutdownMode};
+    let td = TestDir::new();
+    let config = |mode| {
+        let mut c = lib_config(&td);
+        c.supervisor.shutdown = mode;
+        c.reaper.grace = Duration::from_secs(60);
+        c.assignees
+            .insert("slow".into(), AssigneeConfig::new(["sleep", "300"]));
+        c
+    };
+    let first = Supervisor::start(config(ShutdownMode::Leave)).expect("first start");
+    let task = first
+        .add_task(NewTask::titled("done, then hangs").for_assignee("slow"))
+        .expect("add")
+        .id;
+    let (pid, fp) = wait_worker(&first, task);
+    let worker = WorkerGuard::pin(pid, &fp);
+    first.complete(task, None).expect("complete");
+    first.shutdown();
+    assert!(worker.alive(), "within its 60 s grace, left running");
+
+    runwarden::supervisor::run(config(ShutdownMode::Terminate), |_| {}, async {})
+        .expect("second start");
+    assert!(
+        worker.wait_dead(SETTLE).is_some(),
+        "the previous incarnation's worker {pid} outlived the terminating stop"
+    );
+    let mut db = Db::new(td.db_path());
+    assert_eq!(
+        db.get_task(task).status,
+        TaskStatus::Done,
+        "{}",
+        db.history(task)
+    );
+    assert_eq!(
+        db.events_of(task, "terminal_worker_reaped").len(),
+        1,
+        "{}",
         db.history(task)
     );
 }

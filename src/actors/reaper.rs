@@ -58,6 +58,14 @@ pub struct TaskArchived {
 #[rtype(result = "()")]
 pub struct DispatcherIs(pub Recipient<OwnedWorkers>);
 
+/// A `terminate` stop: end now every worker still alive for a closed run (within its grace)
+/// that no WorkerActor of ours holds — a previous incarnation's, which only this actor
+/// watches. Our own actors' workers are the dispatcher's to end (`StopDispatching`). Answers
+/// once they are ended, or after the time one kill sequence may take.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct EndLeftovers;
+
 /// Run the board sweep now (also on every tick); answers with the number of runs examined.
 #[derive(Message)]
 #[rtype(result = "usize")]
@@ -188,52 +196,14 @@ impl ReaperActor {
         if !self.in_flight.insert(c.run_id) {
             return;
         }
-        let store = self.store.clone();
-        let kill = self.kill_timeout;
         let run_id = c.run_id;
-        async move {
-            let mut c = c;
-            if c.token.is_none() {
-                // The event feed carries no tokens; the run's row does. Without it, descendants
-                // that escaped the group (found by their token) would be missed for good: the
-                // evidence is cleared after this reap, so no sweep comes back to the run. Not
-                // readable now: skipped, and the sweep (whose candidates carry it) retries.
-                let run_id = c.run_id;
-                let run = store.read(move |tx| tx.get_run(run_id)).await.map_err(|e| e.to_string())?;
-                c.token = Some(run.token);
-            }
-            let cand = c.clone();
-            let reap = actix_rt::task::spawn_blocking(move || {
-                if early && !matches!(process::liveness(cand.pid, &cand.fingerprint), process::Liveness::Dead(_)) {
-                    let why = "within its grace and not proven dead".into();
-                    return Ok(board::Reap { verdict: ReapVerdict::Unknown(why), escapees: None });
-                }
-                board::reap_one(&cand, &PidfdSignaller, kill)
+        reap_and_record(self.store.clone(), c, early, self.kill_timeout)
+            .into_actor(self)
+            .map(move |res, act, _| {
+                act.in_flight.remove(&run_id);
+                log_reap(run_id, res);
             })
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
-            let verdict = reap.verdict.clone();
-            if let ReapVerdict::Unknown(why) = &verdict {
-                tracing::debug!(run_id = c.run_id, pid = c.pid, %why, "reaper: liveness unknown; kept for a later sweep");
-                return Ok(verdict);
-            }
-            store
-                .with_tx(move |tx, now| tx.record_reap(&c, &reap, now))
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok::<_, String>(verdict)
-        }
-        .into_actor(self)
-        .map(move |res, act, _| {
-            act.in_flight.remove(&run_id);
-            match res {
-                Ok(ReapVerdict::Reaped(how)) => tracing::info!(run_id, ended_by = how.as_str(), "reaper: terminal worker ended"),
-                Ok(_) => {}
-                Err(e) => tracing::warn!(run_id, error = %e, "reaper: skipping run"),
-            }
-        })
-        .spawn(ctx);
+            .spawn(ctx);
     }
 
     fn sweep(&mut self, ctx: &mut Context<Self>) {
@@ -458,10 +428,159 @@ impl ReaperActor {
     }
 }
 
+impl Handler<EndLeftovers> for ReaperActor {
+    type Result = ResponseActFuture<Self, ()>;
+    fn handle(&mut self, _: EndLeftovers, _: &mut Self::Context) -> Self::Result {
+        let grace_ms = self.grace.as_millis() as i64;
+        let store = self.store.clone();
+        let dispatcher = self.dispatcher.clone();
+        let kill = self.kill_timeout;
+        let bound = kill + crate::process::AFTER_SIGKILL + Duration::from_secs(2);
+        let read = async move {
+            let all = store
+                .read(move |tx| {
+                    let until = board::now_millis().saturating_add(grace_ms);
+                    tx.terminal_reap_candidates(until, grace_ms)
+                })
+                .await?;
+            // Asked, not assumed from `owned`: a RunClosed may still be on its way.
+            let ids: Vec<RunId> = all.iter().map(|c| c.run_id).collect();
+            let owners = match dispatcher {
+                Some(d) if !ids.is_empty() => d.send(OwnedWorkers(ids)).await.unwrap_or_default(),
+                _ => Vec::new(),
+            };
+            Ok::<_, super::store::StoreError>((all, owners))
+        };
+        Box::pin(read.into_actor(self).then(move |res, act, ctx| {
+            let (all, owners) = match res {
+                Ok(found) => found,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reaper: cannot read the closed runs at stop; their workers are left to their grace");
+                    return futures::future::Either::Left(fut::ready(()));
+                }
+            };
+            let owned: HashSet<RunId> = owners
+                .iter()
+                .filter(|(_, w)| w.connected())
+                .map(|(r, _)| *r)
+                .chain(
+                    act.owned
+                        .iter()
+                        .filter(|(_, w)| w.connected())
+                        .map(|(r, _)| *r),
+                )
+                .collect();
+            let mut ids = Vec::new();
+            let mut reaps = Vec::new();
+            for c in all {
+                if owned.contains(&c.run_id)
+                    || act.left_to_its_worker(c.run_id)
+                    || !act.in_flight.insert(c.run_id)
+                {
+                    continue;
+                }
+                if let Some(p) = act.pending.remove(&c.run_id) {
+                    ctx.cancel_future(p.timer);
+                }
+                ids.push(c.run_id);
+                reaps.push(reap_and_record(act.store.clone(), c, false, kill));
+            }
+            if !ids.is_empty() {
+                tracing::info!(runs = ids.len(), "reaper: ending the workers of closed runs at stop");
+            }
+            let all_reaped = async move {
+                tokio::time::timeout(bound, futures::future::join_all(reaps))
+                    .await
+                    .map_err(|_| ())
+            };
+            futures::future::Either::Right(all_reaped.into_actor(act).map(move |res, act, _| {
+                for id in &ids {
+                    act.in_flight.remove(id);
+                }
+                match res {
+                    Ok(results) => {
+                        for (run_id, res) in ids.into_iter().zip(results) {
+                            log_reap(run_id, res);
+                        }
+                    }
+                    Err(()) => tracing::warn!(
+                        "reaper: the workers of closed runs were not all ended within the stop's bound"
+                    ),
+                }
+            }))
+        }))
+    }
+}
+
 impl Handler<SweepNow> for ReaperActor {
     type Result = usize;
     fn handle(&mut self, _: SweepNow, ctx: &mut Self::Context) -> usize {
         self.sweep(ctx);
         self.pending.len()
+    }
+}
+
+/// The external reap of `c` (see [`ReaperActor::reap_external`]): its token read if the
+/// candidate has none, `board::reap_one` on a blocking thread, the verdict recorded.
+async fn reap_and_record(
+    store: Store,
+    mut c: ReapCandidate,
+    early: bool,
+    kill: Duration,
+) -> Result<ReapVerdict, String> {
+    if c.token.is_none() {
+        // The event feed carries no tokens; the run's row does. Without it, descendants that
+        // escaped the group (found by their token) would be missed for good: the evidence is
+        // cleared after this reap, so no sweep comes back to the run. Not readable now:
+        // skipped, and the sweep (whose candidates carry it) retries.
+        let run_id = c.run_id;
+        let run = store
+            .read(move |tx| tx.get_run(run_id))
+            .await
+            .map_err(|e| e.to_string())?;
+        c.token = Some(run.token);
+    }
+    let cand = c.clone();
+    let reap = actix_rt::task::spawn_blocking(move || {
+        if early
+            && !matches!(
+                process::liveness(cand.pid, &cand.fingerprint),
+                process::Liveness::Dead(_)
+            )
+        {
+            let why = "within its grace and not proven dead".into();
+            return Ok(board::Reap {
+                verdict: ReapVerdict::Unknown(why),
+                escapees: None,
+            });
+        }
+        board::reap_one(&cand, &PidfdSignaller, kill)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| e.to_string())?;
+    let verdict = reap.verdict.clone();
+    if let ReapVerdict::Unknown(why) = &verdict {
+        tracing::debug!(run_id = c.run_id, pid = c.pid, %why, "reaper: liveness unknown; kept for a later sweep");
+        return Ok(verdict);
+    }
+    store
+        .with_tx(move |tx, now| tx.record_reap(&c, &reap, now))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(verdict)
+}
+
+fn log_reap(run_id: RunId, res: Result<ReapVerdict, String>) {
+    match res {
+        Ok(ReapVerdict::Reaped(how)) => {
+            tracing::info!(
+                run_id,
+                ended_by = how.as_str(),
+                "reaper: terminal worker ended"
+            )
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(run_id, error = %e, "reaper: skipping run"),
     }
 }
