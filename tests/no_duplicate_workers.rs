@@ -3,8 +3,9 @@
 //!
 //! - a run is released (reclaimed) and its leader dies at once, but a member of its group
 //!   ignores SIGTERM: the task must not be claimed again until that member is dead too;
-//! - a supervisor died between starting a worker and recording it: the next one finds the
-//!   worker by its run token and adopts it instead of starting a second one;
+//! - a supervisor died between starting a worker and recording it: the next one ends what
+//!   carries the run's token (never adopting it: which carrier is the worker cannot be proven)
+//!   before the task runs again;
 //! - a run is reclaimed while its worker is still being started (the spawn is under way, no
 //!   pid recorded yet): the task waits until that worker has been started, ended and reaped;
 //! - a supervisor died after such a reclaim, before the start settled: the next one finds the
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use common::lifecycle::{View, add, procs_of_run, sh_assignee, task_for, wait_run_count, write};
 use common::proc_guard::{ChildGuard, wait_until};
-use common::runtime::{SETTLE, TestDir, lib_config};
+use common::runtime::{SETTLE, TestDir, WorkerGuard, lib_config};
 use runwarden::Supervisor;
 use runwarden::board::{Board, NewTask, RunOutcome, TaskId, TaskStatus, now_millis};
 
@@ -79,8 +80,13 @@ fn a_released_task_waits_until_its_previous_group_is_gone() {
     sup.shutdown();
 }
 
+/// A supervisor died between starting a worker and recording it, and the worker then failed
+/// (exit 3) while no supervisor watched, leaving a descendant that escaped its group (setsid)
+/// and will exit 0. That descendant carries the run's token and leads a group of its own, just
+/// as the worker did: adopting it would let its exit 0 close the run `completed`. Nothing found
+/// by token is adopted: it is ended, the run released, and the task runs again.
 #[test]
-fn a_worker_started_but_never_recorded_is_found_by_its_token_and_adopted() {
+fn a_worker_started_but_never_recorded_is_ended_never_adopted() {
     let td = TestDir::new();
     std::fs::create_dir_all(td.data_dir()).unwrap();
     // A previous incarnation claimed the run and started its worker, then died before the
@@ -96,35 +102,65 @@ fn a_worker_started_but_never_recorded_is_found_by_its_token_and_adopted() {
         })
         .expect("claim");
     drop(board);
-    let mut cmd = Command::new("sleep");
-    cmd.arg("300")
+    let escapee_pid = td.path().join("escapee.pid");
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(format!(
+            "setsid sh -c 'sleep 3; exit 0' & echo $! > {}; exit 3",
+            escapee_pid.display()
+        ))
         .process_group(0)
         .env("RUNWARDEN_RUN_TOKEN", &claim.token);
-    let worker = ChildGuard::spawn(&mut cmd).expect("start the unrecorded worker");
+    let mut worker = ChildGuard::spawn(&mut cmd).expect("start the unrecorded worker");
+    let status = worker.0.wait().expect("wait for the worker");
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "the worker failed while unsupervised"
+    );
+    let pid: i32 = std::fs::read_to_string(&escapee_pid)
+        .expect("the escapee's pid")
+        .trim()
+        .parse()
+        .expect("a pid");
+    let fp = runwarden::process::fingerprint(pid).expect("the escapee's fingerprint");
+    let escapee = WorkerGuard::pin(pid, &fp);
 
     let mut config = lib_config(&td);
-    config
-        .assignees
-        .insert("w".into(), sh_assignee("sleep 300"));
+    // Its next run fails as well: the task can only end `done` by a run wrongly completed.
+    config.assignees.insert("w".into(), sh_assignee("exit 3"));
     let mut sup = Supervisor::start(config).expect("start the supervisor");
     let found = sup.wait_event(claim.task_id, "worker_found", SETTLE);
-    assert_eq!(found.payload["pid"].as_i64(), Some(i64::from(worker.pid())));
-    sup.wait_event(claim.task_id, "worker_adopted", SETTLE);
-    let runs = sup.runs(claim.task_id);
-    assert_eq!(
-        runs.len(),
-        1,
-        "no second run: {}",
+    // The escapee and its `sleep`.
+    assert_eq!(found.payload["ended"].as_u64(), Some(2), "{found:?}");
+    assert!(
+        escapee.wait_dead(SETTLE).is_some(),
+        "the escapee carrying the run's token was not ended"
+    );
+    assert!(
+        wait_until(SETTLE, || {
+            sup.runs(claim.task_id)
+                .get(1)
+                .is_some_and(|r| r.outcome.is_some())
+        }),
+        "the second run never ended: {}",
         sup.history(claim.task_id)
     );
-    assert_eq!(runs[0].spawned_pid, Some(i64::from(worker.pid())));
-    assert_eq!(sup.get_task(claim.task_id).status, TaskStatus::Running);
-
-    // Adopted means supervised: archiving the task ends that worker.
-    write(&sup, move |tx, now| tx.archive_task(claim.task_id, now)).expect("archive");
+    let runs = sup.runs(claim.task_id);
+    let history = sup.history(claim.task_id);
+    assert_eq!(runs[0].outcome, Some(RunOutcome::Reclaimed), "{history}");
+    assert_eq!(runs[0].worker_pid, None, "nothing adopted: {history}");
+    assert_eq!(runs[1].outcome, Some(RunOutcome::Crashed), "{history}");
     assert!(
-        worker.pidfd().wait_exit(SETTLE).unwrap_or(false),
-        "the adopted worker was not ended"
+        sup.events(claim.task_id)
+            .iter()
+            .all(|e| e.kind != "worker_adopted"),
+        "{history}"
+    );
+    assert_ne!(
+        sup.get_task(claim.task_id).status,
+        TaskStatus::Done,
+        "{history}"
     );
     sup.shutdown();
 }
@@ -245,10 +281,10 @@ fn a_start_a_dead_supervisor_left_unsettled_is_settled_by_the_next() {
             .status,
         TaskStatus::Done
     );
-    // The late worker is found by its token, recorded on its closed run and ended; only then
-    // does its task run again.
+    // The late worker is found by its token and ended (never recorded: which carrier is the
+    // worker cannot be proven); only then does its task run again.
     let found = sup.wait_event(late.task_id, "worker_found", SETTLE);
-    assert_eq!(found.payload["pid"].as_i64(), Some(i64::from(worker.pid())));
+    assert_eq!(found.payload["ended"].as_u64(), Some(1), "{found:?}");
     assert!(
         worker.pidfd().wait_exit(SETTLE).unwrap_or(false),
         "the late worker was not ended"
@@ -263,12 +299,11 @@ fn a_start_a_dead_supervisor_left_unsettled_is_settled_by_the_next() {
             .unwrap_or_else(|| panic!("no {kind}: {history}"))
     };
     assert!(
-        at("worker_found") < at("terminal_worker_reaped")
-            && at("terminal_worker_reaped") < at("completed"),
+        at("worker_found") < at("worker_spawned"),
         "the task ran again before its late worker was ended: {history}"
     );
     let runs = sup.runs(late.task_id);
     assert_eq!(runs.len(), 2, "{history}");
-    assert_eq!(runs[0].spawned_pid, Some(i64::from(worker.pid())));
+    assert_eq!(runs[0].worker_pid, None, "nothing adopted: {history}");
     sup.shutdown();
 }

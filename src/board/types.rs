@@ -169,7 +169,8 @@ pub struct Run {
     pub error: Option<String>,
     pub summary: Option<String>,
     /// Where this run's output starts in its task's log, recorded with the worker's evidence
-    /// (`None` for runs recorded before schema v7, or whose worker was found by its token).
+    /// (`None` for runs recorded before schema v7, or whose worker was found by its token by a
+    /// build that still adopted such workers).
     /// Internal: not part of the protocol.
     #[serde(skip, default)]
     pub log_start: Option<LogStart>,

@@ -270,12 +270,12 @@ pub struct DispatcherActor {
     /// When the tick's chores last gave the allocator's free memory back (see `trim_heap`).
     last_heap_trim: Option<std::time::Instant>,
     /// True once the first reconcile has decided about every run of a previous incarnation
-    /// (adopted, held, or closing) — including the workers it found by their token, which a
-    /// reconcile adopts once they are recorded. The control socket accepts, and
+    /// (adopted, held, or closing) — including the runs whose worker was never recorded, which
+    /// it settles (what carries their token ended, the run released). The control socket accepts, and
     /// `Supervisor::start` returns, only after that; a `terminate` stop waits for it, or the
     /// workers it adopts after would be left running.
     reconciled_once: tokio::sync::watch::Sender<bool>,
-    /// Found workers whose record (or release) is still being written.
+    /// Unrecorded runs whose settling (carriers ended, run released) is still under way.
     first_followups: usize,
     /// How many of those have been written so far: a reconcile that read the board before one
     /// was does not complete the first reconcile (see `reconcile`).

@@ -39,11 +39,9 @@ enum Probe {
     /// Its recorded worker exited while no supervisor watched, and is still a zombie (its new
     /// parent has not reaped it yet) whose exit status could be read.
     Exited(process::ExitStatus),
-    /// No worker was ever recorded; `leader` is a process carrying the run's token that leads
-    /// its own group (the worker, started but not recorded), if any.
-    Unstarted {
-        leader: Option<(i32, process::Fingerprint)>,
-    },
+    /// No worker was ever recorded: started or not, nothing on the board says which process
+    /// it would be.
+    Unstarted,
 }
 
 impl Probe {
@@ -70,28 +68,7 @@ impl Probe {
             (None, _) if run.spawned_pid.is_some() => {
                 Probe::NotVerified(process::Liveness::Dead(process::DeadReason::NoSuchProcess))
             }
-            (None, _) => {
-                // The worker is the root of the token carriers: a group leader whose parent
-                // does not carry the token (a setsid descendant leads a group too, but its
-                // parent — or its parent's parent — is a carrier).
-                let carriers = match process::descendants::find_by_token(&run.token) {
-                    Ok(carriers) => carriers,
-                    // Whether it was ever started cannot be told: held, checked again.
-                    Err(e) => {
-                        return Probe::NotVerified(process::Liveness::Unknown(format!(
-                            "cannot look for a worker by its run token: {e}"
-                        )));
-                    }
-                };
-                let pids: std::collections::HashSet<i32> =
-                    carriers.iter().map(|(p, _)| *p).collect();
-                Probe::Unstarted {
-                    leader: carriers.into_iter().find(|(pid, _)| {
-                        process::read_stat(*pid)
-                            .is_ok_and(|s| s.pgrp == *pid && !pids.contains(&s.ppid))
-                    }),
-                }
-            }
+            (None, _) => Probe::Unstarted,
         }
     }
 }
@@ -253,9 +230,9 @@ impl DispatcherActor {
             }
             if act.first_followups == 0 && !*act.reconciled_once.borrow() {
                 if act.followups_settled != settled_before {
-                    // A found worker was recorded while this reconcile read the board (its own
+                    // An unstarted run was settled while this reconcile read the board (its own
                     // call to reconcile came while this one ran, and was dropped): the next
-                    // one adopts it, and only then is the first reconcile done.
+                    // one sees it settled, and only then is the first reconcile done.
                     act.reconcile(ctx);
                     return;
                 }
@@ -390,25 +367,28 @@ impl DispatcherActor {
                 exited = Some(status);
                 Err(process::Liveness::Dead(process::DeadReason::Zombie))
             }
-            Probe::Unstarted { leader } => {
+            Probe::Unstarted => {
                 self.closing.insert(run_id);
-                // A worker found by its token is adopted by the reconcile after its record:
-                // the first one's signal waits for that (see `reconciled_once`).
+                // The first reconcile's signal waits for this run to be settled (see
+                // `reconciled_once`), so a report of its worker is answered after it.
                 self.first_followups += 1;
                 let kill = self.config.reaper.kill_timeout;
                 let token = run.token.clone();
-                let stragglers = leader.is_none();
                 async move {
-                    // Nothing (left) runs under this run as a worker: end any straggler. One
-                    // still there after SIGKILL keeps the run as it is (the next tick retries).
-                    !stragglers
-                        || matches!(
-                            actix_rt::task::spawn_blocking(move || {
-                                process::descendants::end_token_carriers(&token, kill)
-                            })
-                            .await,
-                            Ok(Ok(_))
-                        )
+                    // Whatever carries the run's token was started for it — but which carrier
+                    // is the worker cannot be proven: once the worker has exited, a descendant
+                    // that escaped its group (setsid) looks just like it, and adopting that
+                    // would let its exit stand for the worker's (a worker that failed while no
+                    // supervisor watched, closed `completed` by its escapee's exit 0). So
+                    // nothing found is adopted: every carrier is ended, the run released and
+                    // its task run again. One still there after SIGKILL keeps the run as it is
+                    // (the next tick retries).
+                    actix_rt::task::spawn_blocking(move || {
+                        process::descendants::end_token_carriers(&token, kill)
+                    })
+                    .await
+                    .ok()
+                    .and_then(|r| r.ok())
                 }
                 .into_actor(self)
                 .then(move |ended, act, _| {
@@ -419,53 +399,41 @@ impl DispatcherActor {
                     let theirs = act.workers.contains_key(&run_id);
                     let store = act.store.clone();
                     async move {
-                        if theirs || !ended {
+                        let Some(ended) = ended.filter(|_| !theirs) else {
                             return;
-                        }
-                        let r = match leader {
-                            // Its worker was started but never recorded (the incarnation died
-                            // between fork and commit): record it now; the next tick adopts it
-                            // (or, its run closed, the reaper ends it).
-                            Some((pid, fp)) => {
-                                store
-                                    .with_tx(move |tx, now| {
-                                        // Where its output starts is unknown: a crash
-                                        // quotes the log's tail.
-                                        tx.set_worker(run_id, pid, Some(&fp), None, now)?;
-                                        tx.append_event(Some(run.task_id), Some(run_id), "worker_found", serde_json::json!({ "pid": pid, "by": "run token" }), now)?;
-                                        Ok(())
-                                    })
-                                    .await
-                            }
-                            // Release the run (if still open) and its task.
-                            None => {
-                                store
-                                    .with_tx(move |tx, now| {
-                                        // `reclaim_task` closes the task's current run: only
-                                        // while that is still this one (the snapshot may be old).
-                                        if tx.get_task(run.task_id)?.current_run_id == Some(run_id) {
-                                            tx.reclaim_task(run.task_id, "claimed by an earlier supervisor, and no worker of that run is running (never started, or ended before its pid could be recorded)", now)?;
-                                        }
-                                        tx.settle_spawn(run_id).map(|_| ())
-                                    })
-                                    .await
-                            }
                         };
+                        let r = store
+                            .with_tx(move |tx, now| {
+                                if ended.count > 0 {
+                                    tx.append_event(Some(run.task_id), Some(run_id), "worker_found", serde_json::json!({ "by": "run token", "ended": ended.count, "sigkill": ended.sigkill }), now)?;
+                                }
+                                // `reclaim_task` closes the task's current run: only while that
+                                // is still this one (the snapshot may be old).
+                                if tx.get_task(run.task_id)?.current_run_id == Some(run_id) {
+                                    let why = if ended.count > 0 {
+                                        "claimed by an earlier supervisor, which died before recording its worker: what carried the run's token was ended (an unrecorded worker is never adopted)"
+                                    } else {
+                                        "claimed by an earlier supervisor, and no worker of that run is running (never started, or ended before its pid could be recorded)"
+                                    };
+                                    tx.reclaim_task(run.task_id, why, now)?;
+                                }
+                                tx.settle_spawn(run_id).map(|_| ())
+                            })
+                            .await;
                         if let Err(e) = r {
                             tracing::warn!(run_id, error = %e, "reconcile: cannot settle an unstarted run");
                         }
                     }
                     .into_actor(act)
                 })
-                // Settled (or not): the next reconcile looks at the run afresh — and adopts a
-                // worker just recorded. A settled start writes no event of its own, so the task
-                // and slot it freed get a pass now.
+                // Settled (or not): the next reconcile looks at the run afresh. A settled start
+                // writes no event of its own, so the task and slot it freed get a pass now.
                 .map(move |_, act, ctx| {
                     act.closing.remove(&run_id);
                     act.first_followups -= 1;
                     act.followups_settled += 1;
                     if act.first_followups == 0 && !*act.reconciled_once.borrow() {
-                        // Adopt what was just recorded now, not a tick later.
+                        // The first reconcile is done once this settle is in (not a tick later).
                         act.reconcile(ctx);
                     }
                     act.pass(ctx);
