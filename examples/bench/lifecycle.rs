@@ -458,7 +458,7 @@ fn micro_profile(opts: &Opts, base: &Path) -> Result<Profile, String> {
         };
         let t = Instant::now();
         let c0 = thread_cpu_ns();
-        let child = spawn::spawn(&spec)?;
+        let child = spawn::spawn(&spec).map_err(|e| e.to_string())?;
         p.rw_spawn_cpu_us += (thread_cpu_ns() - c0) as f64 / 1e3 / K as f64;
         p.rw_spawn_us.push(us(t));
         child

@@ -9,7 +9,7 @@ use rand::Rng;
 use serde_json::json;
 
 use super::dispatcher::{ClaimParams, claim_ready};
-use super::spawn::LogStart;
+use super::spawn::{LogStart, SpawnError};
 use super::store::{Store, StoreError};
 use super::worker::TerminateReason;
 use crate::board::{self, Claim, ExitInfo, Failure, Millis, RunId, RunOutcome, Task, TaskId, Tx};
@@ -100,7 +100,6 @@ impl ExitPolicy {
     }
 }
 
-/// Closes `run_id` as failed under `policy` (reads the task's failure count in the same tx).
 /// Closes `run_id` as failed under `policy` (reads the task's failure count in the same tx):
 /// the one place a failure's retry and backoff are decided.
 pub fn fail(
@@ -120,12 +119,16 @@ pub fn fail(
 }
 
 /// Records a spawn failure: no worker will run (the run stops holding its task), and the run,
-/// if still open, closes `spawn_failed` with the retry rules applied.
+/// if still open, closes `spawn_failed` with the retry rules applied — unless the start failed
+/// for want of something the supervisor is short of ([`SpawnError::shortage`]): then the task
+/// is no more to blame than for a reclaim, and the run is requeued without counting a failure,
+/// after the first retry's backoff (at least [`SHORTAGE_BACKOFF`], so a supervisor out of
+/// descriptors does not claim and fail the same tasks in a loop).
 pub async fn record_spawn_failure(
     store: &Store,
     run_id: RunId,
     policy: ExitPolicy,
-    error: String,
+    error: SpawnError,
 ) -> Result<(), StoreError> {
     store
         .with_tx(move |tx, now| {
@@ -134,18 +137,40 @@ pub async fn record_spawn_failure(
                 // Closed while its spawn was under way (reclaimed, archived): nothing to fail.
                 return Ok(());
             }
+            if error.shortage {
+                let failure = Failure {
+                    outcome: RunOutcome::SpawnFailed,
+                    exit_code: None,
+                    exit_signal: None,
+                    error: format!(
+                        "{} (the supervisor is short of resources: not counted as a failure)",
+                        error.message
+                    ),
+                    default_max_retries: i64::from(policy.max_retries),
+                    backoff_ms: policy
+                        .backoff_ms(1)
+                        .max(SHORTAGE_BACKOFF.as_millis() as i64),
+                    counts: false,
+                    give_up_now: false,
+                };
+                tx.fail_run(run_id, &failure, now)?;
+                return Ok(());
+            }
             fail(
                 tx,
                 run_id,
                 &policy,
                 RunOutcome::SpawnFailed,
                 None,
-                error.clone(),
+                error.message.clone(),
                 now,
             )
         })
         .await
 }
+
+/// The least a start that failed for a shortage waits before its task is tried again.
+pub const SHORTAGE_BACKOFF: Duration = Duration::from_secs(1);
 
 /// Records a max-runtime overrun: the run closes `timed_out` (if still open) before the kill.
 /// True if this closed the run (only then is the worker ended at once).

@@ -59,6 +59,60 @@ impl LogStart {
     }
 }
 
+/// Why a worker could not be started: one line naming what failed, and whether it failed for
+/// want of something the supervisor (or the machine) is short of right now — descriptors
+/// (`EMFILE`, `ENFILE`), processes (`EAGAIN`), memory (`ENOMEM`) — rather than anything about
+/// the task or its assignee. Such a start is no failure of the task's: it is retried later
+/// without being counted, never taken towards giving the task up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpawnError {
+    pub message: String,
+    pub shortage: bool,
+}
+
+impl SpawnError {
+    /// `message`, about the OS error `e` (a shortage if `e` is one).
+    fn os(message: String, e: &std::io::Error) -> SpawnError {
+        SpawnError {
+            message,
+            shortage: is_shortage(e),
+        }
+    }
+
+    /// `message`, about `e` (a shortage if the OS error under it is one).
+    fn process(message: String, e: &process::ProcessError) -> SpawnError {
+        let shortage = match e {
+            process::ProcessError::Io { source, .. }
+            | process::ProcessError::System { source, .. } => is_shortage(source),
+            _ => false,
+        };
+        SpawnError { message, shortage }
+    }
+}
+
+impl From<String> for SpawnError {
+    fn from(message: String) -> SpawnError {
+        SpawnError {
+            message,
+            shortage: false,
+        }
+    }
+}
+
+impl std::fmt::Display for SpawnError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Whether `e` says the supervisor or the machine is short of a resource (see [`SpawnError`]).
+pub fn is_shortage(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::EAGAIN | libc::ENOMEM)
+    )
+}
+
 /// A few dedicated threads that start workers, shared by every WorkerActor of a supervisor.
 ///
 /// Starting a process blocks its caller: creating the work dir and log file, and the start
@@ -74,7 +128,7 @@ pub struct Spawner {
 
 struct SpawnJob {
     spec: SpawnSpec,
-    reply: oneshot::Sender<Result<Handoff, String>>,
+    reply: oneshot::Sender<Result<Handoff, SpawnError>>,
 }
 
 /// A started child on its way to its WorkerActor. Dropped undelivered — its actor stopped
@@ -144,44 +198,46 @@ impl Spawner {
     pub fn submit(
         &self,
         spec: SpawnSpec,
-    ) -> impl Future<Output = Result<Spawned, String>> + 'static {
+    ) -> impl Future<Output = Result<Spawned, SpawnError>> + 'static {
         let (reply, rx) = oneshot::channel();
         let queued = self.jobs.send(SpawnJob { spec, reply }).is_ok();
         async move {
             if !queued {
-                return Err("the spawner has stopped".to_string());
+                return Err("the spawner has stopped".to_string().into());
             }
             match rx.await {
                 Ok(started) => started.map(Handoff::take),
-                Err(_) => Err("the spawner stopped before starting it".to_string()),
+                Err(_) => Err("the spawner stopped before starting it".to_string().into()),
             }
         }
     }
 }
 
 /// Starts the worker. Errors are one line, naming what failed.
-pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
+pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let (program, args) = spec
         .argv
         .split_first()
-        .ok_or_else(|| "the assignee's command is empty".to_string())?;
+        .ok_or_else(|| SpawnError::from("the assignee's command is empty".to_string()))?;
     // Only the supervisor's own per-task directory is created; a configured one was checked when
     // the supervisor started and is used as it is (if it has gone since, the start fails naming it).
     if spec.own_cwd {
         create_private_dir(&spec.cwd).map_err(|e| {
-            format!(
+            let what = format!(
                 "cannot create working directory {}: {e}",
                 spec.cwd.display()
-            )
+            );
+            SpawnError::os(what, &e)
         })?;
     }
     if spec.own_cwd && (spec.uid.is_some() || spec.gid.is_some()) {
         // A worker that runs as another user must be able to work in its own directory.
         std::os::unix::fs::chown(&spec.cwd, spec.uid, spec.gid).map_err(|e| {
-            format!(
+            let what = format!(
                 "cannot hand {} to the worker's user: {e}",
                 spec.cwd.display()
-            )
+            );
+            SpawnError::os(what, &e)
         })?;
     }
     // The rotation first, the size second: a rotation between the two (by the tick, or by
@@ -212,16 +268,17 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     };
     // The working directory and the user are named: a worker whose user cannot reach its
     // cwd fails with a bare EACCES that otherwise reads like `program` is the problem.
-    let failed = |e: &dyn std::fmt::Display| {
+    let failed = |e: &std::io::Error| {
         let who = spec.uid.map(|u| format!(" as uid {u}")).unwrap_or_default();
         let at = found
             .as_ref()
             .map(|p| format!(" ({})", p.display()))
             .unwrap_or_default();
-        format!(
+        let what = format!(
             "cannot start `{program}`{at}{who} in {}: {e}",
             spec.cwd.display()
-        )
+        );
+        SpawnError::os(what, e)
     };
 
     // A name with a slash is used as it is (relative to the cwd, as exec after chdir reads it).
@@ -241,6 +298,12 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     let cloned = match clone_start.as_ref().map(|c| c.start(&log)) {
         Some(Ok(started)) => Some(started),
         Some(Err(Start::Failed(e))) => return Err(failed(&e)),
+        Some(Err(Start::FailedAt(step, e))) => {
+            // Named by its step, classified by its own error.
+            let mut error = failed(&std::io::Error::other(format!("{step}: {e}")));
+            error.shortage = is_shortage(&e);
+            return Err(error);
+        }
         Some(Err(Start::Elsewise)) | None => None,
     };
     let (pid, pidfd, in_flight, start_ticks) = match cloned {
@@ -271,7 +334,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
     // for good). So the start fails (the run is closed as spawn_failed and retried) and the
     // child is ended now.
     let identity = pidfd
-        .map_err(|e| format!("cannot open pidfd for {pid}: {e}"))
+        .map_err(|e| SpawnError::process(format!("cannot open pidfd for {pid}: {e}"), &e))
         .and_then(|pidfd| match fingerprint_of_new(pid, start_ticks) {
             Ok(mut fp) => {
                 // The inode tells the worker from a process given its pid within its clock
@@ -280,7 +343,10 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
                 fp.pidfs_ino = pidfd.pidfs_ino().ok().flatten();
                 Ok((pidfd, fp))
             }
-            Err(e) => Err(format!("cannot fingerprint {pid} ({e})")),
+            Err(e) => Err(SpawnError::process(
+                format!("cannot fingerprint {pid} ({e})"),
+                &e,
+            )),
         });
     let (pidfd, fingerprint) = match identity {
         Ok(found) => found,
@@ -309,8 +375,10 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, String> {
 enum Start {
     /// Not this way here (see [`process::clone_exec`]); std's `Command` will.
     Elsewise,
-    /// The start failed; the error says at which step.
+    /// exec or chdir failed (their errors read as std's would).
     Failed(std::io::Error),
+    /// Another step of the start failed.
+    FailedAt(&'static str, std::io::Error),
 }
 
 /// The title as the worker's environment carries it: at most `MAX_TITLE_BYTES` (cut at a
@@ -501,7 +569,7 @@ impl CloneStart {
             Err(CloneExecError::Failed { step, source }) if step == "execve" || step == "chdir" => {
                 Err(Start::Failed(source))
             }
-            Err(e) => Err(Start::Failed(std::io::Error::other(e.to_string()))),
+            Err(CloneExecError::Failed { step, source }) => Err(Start::FailedAt(step, source)),
         }
     }
 }
@@ -530,10 +598,10 @@ fn std_command(
     found: Option<&Path>,
     own_path: Option<&std::ffi::OsStr>,
     log: File,
-) -> Result<Command, String> {
+) -> Result<Command, SpawnError> {
     let log_err = log
         .try_clone()
-        .map_err(|e| format!("cannot duplicate log file handle: {e}"))?;
+        .map_err(|e| SpawnError::os(format!("cannot duplicate log file handle: {e}"), &e))?;
     let mut cmd = match found {
         Some(path) => {
             let mut c = Command::new(path);
@@ -722,7 +790,7 @@ fn open_regular(path: &Path, opts: &mut OpenOptions) -> std::io::Result<(File, s
 /// Opens the task's log for appending (created 0600: only the supervisor reads it; the worker
 /// writes through the descriptor it is given), rotating it first when it has reached
 /// `max_bytes`. With the log's size once open (0 after a rotation).
-fn open_log(path: &Path, max_bytes: u64) -> Result<(File, u64), String> {
+fn open_log(path: &Path, max_bytes: u64) -> Result<(File, u64), SpawnError> {
     use std::os::unix::fs::OpenOptionsExt;
     // Never through a symbolic link: the log is the supervisor's file, not wherever a link
     // put in its place points.
@@ -739,12 +807,14 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<(File, u64), String> {
         // The log directory is created on first need (once per data dir, not once per run).
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if let Some(dir) = path.parent() {
-                create_private_dir(dir)
-                    .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
+                create_private_dir(dir).map_err(|e| {
+                    let what = format!("cannot create log directory {}: {e}", dir.display());
+                    SpawnError::os(what, &e)
+                })?;
             }
-            open().map_err(|e| format!("cannot open log file {}: {e}", path.display()))?
+            open().map_err(|e| cannot_open_log(path, &e))?
         }
-        Err(e) => return Err(format!("cannot open log file {}: {e}", path.display())),
+        Err(e) => return Err(cannot_open_log(path, &e)),
     };
     // Sized through the open handle: a fresh log (the common case) costs no second lookup.
     // Unknown, it counts as empty: a crash would then quote earlier attempts too, nothing worse.
@@ -754,9 +824,13 @@ fn open_log(path: &Path, max_bytes: u64) -> Result<(File, u64), String> {
     }
     drop(file);
     rotate_if_needed(path, max_bytes);
-    let file = open().map_err(|e| format!("cannot open log file {}: {e}", path.display()))?;
+    let file = open().map_err(|e| cannot_open_log(path, &e))?;
     let size = file.metadata().map(|m| m.len()).unwrap_or(0);
     Ok((file, size))
+}
+
+fn cannot_open_log(path: &Path, e: &std::io::Error) -> SpawnError {
+    SpawnError::os(format!("cannot open log file {}: {e}", path.display()), e)
 }
 
 /// Copy-then-truncate rotation, keeping one backup (`<name>.1`) of the log's last `max_bytes`
@@ -1077,6 +1151,7 @@ mod tests {
             }
             Err(e) => e,
         };
+        let error = error.to_string();
         assert!(error.contains("cannot fingerprint"), "{error}");
         // Killed and reaped before spawn() returned: no process carries its token any more,
         // and its pid is no longer one an owner will wait for.

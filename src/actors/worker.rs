@@ -293,8 +293,9 @@ impl WorkerActor {
         ctx.stop();
     }
 
-    fn spawn_failed(&mut self, error: String, ctx: &mut Context<Self>) {
-        tracing::warn!(run_id = self.run_id(), task_id = self.task_id(), %error, "worker: spawn failed");
+    fn spawn_failed(&mut self, error: spawn::SpawnError, ctx: &mut Context<Self>) {
+        let shortage = error.shortage;
+        tracing::warn!(run_id = self.run_id(), task_id = self.task_id(), %error, shortage, "worker: spawn failed");
         let store = self.store.clone();
         let (run_id, policy) = (self.run_id(), self.policy.clone());
         async move { outcome::record_spawn_failure(&store, run_id, policy, error).await }
@@ -628,7 +629,7 @@ impl WorkerActor {
     /// no other message (a Terminate included) until the child exists.
     fn start_child(&mut self, ctx: &mut Context<Self>) {
         let Some(spawner) = self.spawner.take() else {
-            return self.spawn_failed("no spawner for a new worker".to_string(), ctx);
+            return self.spawn_failed("no spawner for a new worker".to_string().into(), ctx);
         };
         spawner
             .submit(self.spec.clone())

@@ -414,6 +414,7 @@ async fn accept_loop(
             tracing::warn!(waited = ?bound, "control: the first reconcile has not finished; accepting anyway");
         }
     }
+    let mut accept_failures = Throttle::default();
     loop {
         let accepted = tokio::select! {
             _ = stopping.changed() => break,
@@ -422,7 +423,10 @@ async fn accept_loop(
         let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(e) => {
-                tracing::warn!(error = %e, "control: accept failed");
+                // Out of descriptors, say: retried every ACCEPT_BACKOFF, told once a minute.
+                if let Some(more) = accept_failures.due() {
+                    tracing::warn!(error = %e, failures_since_last_told = more, "control: accept failed; retrying");
+                }
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
                 continue;
             }
@@ -464,6 +468,39 @@ async fn accept_loop(
         }
     }
     tracing::debug!(socket = %shared.socket.display(), "control: no longer accepting");
+}
+
+/// Says a repeated failure once per [`THROTTLE`], with how many went untold since.
+#[derive(Default)]
+struct Throttle {
+    last: Option<std::time::Instant>,
+    untold: u64,
+}
+
+/// How often a repeated failure is logged (see [`Throttle`]).
+const THROTTLE: Duration = Duration::from_secs(60);
+
+impl Throttle {
+    /// `Some(untold)` when this failure is to be logged.
+    fn due(&mut self) -> Option<u64> {
+        if self.last.is_some_and(|at| at.elapsed() < THROTTLE) {
+            self.untold += 1;
+            return None;
+        }
+        self.last = Some(std::time::Instant::now());
+        Some(std::mem::take(&mut self.untold))
+    }
+}
+
+#[test]
+fn a_repeated_failure_is_told_once_per_period_with_the_count_untold() {
+    let mut t = Throttle::default();
+    assert_eq!(t.due(), Some(0));
+    assert_eq!(t.due(), None);
+    assert_eq!(t.due(), None);
+    t.last = Some(std::time::Instant::now() - THROTTLE);
+    assert_eq!(t.due(), Some(2));
+    assert_eq!(t.due(), None);
 }
 
 /// Sends one error line and closes.
