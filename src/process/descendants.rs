@@ -102,13 +102,28 @@ fn find_by_needle(needle: &[u8]) -> Result<Vec<(Pid, Fingerprint)>, ProcessError
             Env::Unreadable => return Err(unreadable_environ(pid)),
         }
     }
-    // Those caught mid-exec, read again after one wait for them all.
+    // Those caught mid-exec, read again after one wait for them all, then one by one.
     if !again.is_empty() {
         std::thread::sleep(MID_EXEC);
         for (pid, fp) in again {
-            match carries_now(pid, needle) {
+            let env = match carries_now(pid, needle) {
+                Env::MidExec => settle_mid_exec(pid, needle),
+                env => env,
+            };
+            match env {
                 Env::Carries => found.push((pid, fp)),
-                Env::Not | Env::MidExec => {}
+                Env::Not => {}
+                // Not told apart from a carrier: the scan cannot be complete (the caller
+                // keeps the run's evidence and looks again later).
+                Env::MidExec => {
+                    return Err(ProcessError::Io {
+                        pid,
+                        what: "read /proc/<pid>/environ",
+                        source: std::io::Error::other(
+                            "still in the middle of an exec: its environment cannot be read yet",
+                        ),
+                    });
+                }
                 Env::Unreadable => return Err(unreadable_environ(pid)),
             }
         }
@@ -130,8 +145,9 @@ enum Env {
     Carries,
     /// Does not carry it (or is gone, or is a kernel thread).
     Not,
-    /// Empty: caught in the middle of an exec (the new image's environment is not laid out
-    /// yet; measured: one read in ten right after a spawn); to be read again.
+    /// Empty, and not laid out yet (`env_end` 0): caught in the middle of an exec (measured:
+    /// one read in ten right after a spawn); to be read again. A process whose environment
+    /// is empty (`env -i`) is `Not`, not this.
     MidExec,
     /// A live process whose environment cannot be read (out of file descriptors, say).
     Unreadable,
@@ -149,15 +165,22 @@ fn carries_now(pid: Pid, needle: &[u8]) -> Env {
         )
     };
     match read_environ(pid) {
-        Ok(env) if env.is_empty() => {
+        Ok(env) if env.is_empty() => match super::read_stat(pid) {
             // A kernel thread has no environment; a zombie has none left (and can fork no
-            // more). Anything else is caught in the middle of an exec.
-            let none =
-                super::read_stat(pid).map_or(true, |s| s.is_kernel_thread() || s.is_zombie());
-            if none { Env::Not } else { Env::MidExec }
-        }
-        Ok(env) if env.split(|&b| b == 0).any(|var| var == needle) => Env::Carries,
-        Ok(_) => Env::Not,
+            // more); a process gone meanwhile carries nothing.
+            Err(_) => Env::Not,
+            Ok(s) if s.is_kernel_thread() || s.is_zombie() => Env::Not,
+            // Laid out, and empty (`env -i`)? Read again: an exec that finished between the
+            // two reads has an environment now, which is what counts.
+            Ok(s) if s.env_end.is_some_and(|end| end != 0) => match read_environ(pid) {
+                Ok(env) => holds(&env, needle),
+                Err(_) if gone() => Env::Not,
+                Err(_) => Env::Unreadable,
+            },
+            // Caught in the middle of an exec: the new image's environment is not laid out yet.
+            Ok(_) => Env::MidExec,
+        },
+        Ok(env) => holds(&env, needle),
         // Refused for good (another namespace's process, a non-dumpable one): nothing can
         // prove it ours, now or later, so it is not taken for a carrier (the limit the docs
         // name, as for a descendant that clears its environment).
@@ -169,20 +192,47 @@ fn carries_now(pid: Pid, needle: &[u8]) -> Env {
     }
 }
 
-/// [`carries_now`], an empty environment read again once after a millisecond; `None` when it
-/// cannot be told.
+/// Whether the environment block `env` holds `needle` as one of its entries.
+fn holds(env: &[u8], needle: &[u8]) -> Env {
+    if env.split(|&b| b == 0).any(|var| var == needle) {
+        Env::Carries
+    } else {
+        Env::Not
+    }
+}
+
+/// [`carries_now`], a process caught mid-exec read again (see [`settle_mid_exec`]); `None`
+/// when it cannot be told.
 fn carries(pid: Pid, needle: &[u8]) -> Option<bool> {
     let mut env = carries_now(pid, needle);
     if env == Env::MidExec {
-        std::thread::sleep(MID_EXEC);
-        env = carries_now(pid, needle);
+        env = settle_mid_exec(pid, needle);
     }
     match env {
         Env::Carries => Some(true),
-        Env::Not | Env::MidExec => Some(false),
-        Env::Unreadable => None,
+        Env::Not => Some(false),
+        Env::MidExec | Env::Unreadable => None,
     }
 }
+
+/// Reads the environment of `pid`, caught mid-exec, again after waits of 1, 2, 4 … 32 ms
+/// (63 ms in all) until the exec has laid it out. One still mid-exec after that (an exec held
+/// up loading its binary) stays `MidExec`: whether it carries the token cannot be told yet,
+/// and taking it for one that does not would close its run with it still running.
+fn settle_mid_exec(pid: Pid, needle: &[u8]) -> Env {
+    let mut wait = MID_EXEC;
+    for _ in 0..MID_EXEC_READS {
+        std::thread::sleep(wait);
+        match carries_now(pid, needle) {
+            Env::MidExec => wait *= 2,
+            env => return env,
+        }
+    }
+    Env::MidExec
+}
+
+/// How many times [`settle_mid_exec`] reads a process caught mid-exec again.
+const MID_EXEC_READS: u32 = 6;
 
 /// How long an exec is given to lay out its environment before it is read again.
 const MID_EXEC: Duration = Duration::from_millis(1);
@@ -901,6 +951,37 @@ mod tests {
             carries_now(left.0, b"RUNWARDEN_RUN_TOKEN=nobody's"),
             Env::Not
         );
+    }
+
+    /// A process started with an empty environment (`env -i`) is no process caught
+    /// mid-exec: it is told apart by where its environment ends (laid out), found carrying
+    /// nothing, and a scan with it alive is complete — it would otherwise fail every scan
+    /// for as long as it ran.
+    #[test]
+    fn a_process_with_an_empty_environment_carries_nothing_and_holds_no_scan_up() {
+        let mut child = std::process::Command::new("/bin/sleep")
+            .arg("30")
+            .env_clear()
+            .spawn()
+            .expect("start sleep with no environment");
+        let pid = child.id() as Pid;
+        let laid_out = (0..1000).any(|_| {
+            let done =
+                super::super::read_stat(pid).is_ok_and(|s| s.env_end.is_some_and(|end| end != 0));
+            if !done {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            done
+        });
+        let raw = fs::read(format!("/proc/{pid}/environ"));
+        let env = carries_now(pid, b"RUNWARDEN_RUN_TOKEN=abc");
+        let scan = find_by_token("abc");
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(laid_out, "its exec never laid out its environment");
+        assert_eq!(raw.expect("its environment"), b"", "an empty environment");
+        assert_eq!(env, Env::Not);
+        assert_eq!(scan.expect("a complete scan"), []);
     }
 
     #[test]

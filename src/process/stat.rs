@@ -34,6 +34,11 @@ pub struct ProcStat {
     pub start_ticks: u64,
     /// Field 41: the scheduling policy (`SCHED_*`), when the line has it.
     pub policy: Option<u32>,
+    /// Field 51: where the environment ends in the process's memory, when the line has it
+    /// (Linux 3.5). Zero while an exec has not laid out the new image's environment yet (and
+    /// for a reader without ptrace-read access, who cannot read the environment either); not
+    /// zero for a process whose environment is empty.
+    pub env_end: Option<u64>,
     /// Field 52: an exited process's status in `waitpid` form, when the line has it (Linux
     /// 3.5). The kernel shows 0 to a reader without ptrace-read access to the process: see
     /// `exit_status` before trusting it.
@@ -73,6 +78,7 @@ const FLAGS: usize = 9 - 3;
 const NUM_THREADS: usize = 20 - 3;
 const STARTTIME: usize = 22 - 3;
 const POLICY: usize = 41 - 3;
+const ENV_END: usize = 51 - 3;
 const EXIT_CODE: usize = 52 - 3;
 
 /// Parses one `/proc/<pid>/stat` line.
@@ -117,6 +123,11 @@ pub fn parse_stat(text: &str) -> Result<ProcStat, ProcessError> {
         policy: fields
             .get(POLICY)
             .map(|f| parse_num(f, "policy"))
+            .transpose()
+            .map_err(bad)?,
+        env_end: fields
+            .get(ENV_END)
+            .map(|f| parse_num(f, "env_end"))
             .transpose()
             .map_err(bad)?,
         exit_code: fields
@@ -224,6 +235,7 @@ mod tests {
             threads: 1,
             start_ticks: 987654,
             policy: Some(0),
+            env_end: Some(0),
             exit_code: Some(0),
         }
     }
@@ -237,6 +249,7 @@ mod tests {
         let stat = parse_stat(text).unwrap();
         assert!(stat.is_zombie());
         assert_eq!(stat.exit_code, Some(7 << 8));
+        assert_eq!(stat.env_end, Some(0));
         // An older kernel's shorter line has none.
         let older = "4242 (sleep) S 4200 4242 4100 34816 4242 4194304 110 0 0 0 0 0 0 0 20 0 1 0 \
                      987654 8699904 224 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 \
