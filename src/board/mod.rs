@@ -203,6 +203,18 @@ impl Board {
             // SQLite opens it, so the -wal and -shm it makes get the same mode.
             restrict_to_owner(path);
         }
+        if fresh {
+            // Created the owner's from its first moment, before SQLite opens it (an empty
+            // file is an empty database to SQLite): made under the umask and narrowed after,
+            // it could be opened by anyone in between, who would keep reading through that
+            // descriptor. Should this fail, SQLite creates it and the chmod below narrows it.
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path);
+        }
         let mut conn = Connection::open_with_flags(path, flags).map_err(wrap)?;
         if fresh {
             restrict_to_owner(path);
