@@ -303,6 +303,65 @@ fn a_worker_exit_while_the_disk_is_full_is_recorded_once_there_is_room() {
     sd.d.assert_healthy();
 }
 
+/// A worker that overruns its max runtime while the disk is full: the timeout cannot be
+/// recorded, the worker is ended all the same (the limit is the limit), and its exit — waited
+/// out until there is room — closes the run `timed_out`, as the timeout would have, not
+/// `crashed` by the SIGTERM that ended it.
+#[test]
+fn a_timeout_while_the_disk_is_full_is_recorded_as_a_timeout() {
+    use std::time::Duration;
+    const LIMIT_MS: i64 = 3_000;
+    let mut sd = SmallDisk::start("", "[retries]\nmax_retries = 0", |_| {
+        "exec sleep 300".to_string()
+    });
+    // The limit, set here and not in `start`: `[assignees.w]` is written last there.
+    let r = sd.c.call(
+        &serde_json::json!({"id": 1, "op": "add_task", "title": "overruns", "assignee": "w",
+                            "max_runtime_ms": LIMIT_MS})
+        .to_string(),
+    );
+    assert_eq!(r["ok"], true, "{r}");
+    let task = r["result"]["id"].as_i64().expect("an id");
+    sd.wait_worker(task);
+    let run = sd.show(task)["result"]["runs"][0].clone();
+    let started = run["started_at"].as_i64().expect("started_at");
+    let pid = run["worker_pid"].as_i64().expect("worker_pid") as i32;
+
+    let filler = sd.data.join("filler");
+    assert!(fill(&filler) > 0, "the filler wrote nothing");
+    let filled_at = runwarden::board::now_millis();
+    assert!(
+        filled_at < started + LIMIT_MS - 500,
+        "the disk was filled too late ({} ms after the start): the scenario did not happen",
+        filled_at - started
+    );
+    // Ended at its limit although nothing could be recorded.
+    let gone = common::proc_guard::wait_until(Duration::from_secs(10), || {
+        // SAFETY: signal 0 only asks whether the pid exists.
+        unsafe { libc::kill(pid, 0) != 0 }
+    });
+    assert!(gone, "the worker outlived its max runtime on a full disk");
+    let open = sd.show(task);
+    assert_eq!(
+        open["result"]["status"], "running",
+        "recorded while the disk was full: {open}"
+    );
+    fs::remove_file(&filler).expect("remove the filler");
+    let mut last = serde_json::Value::Null;
+    assert!(
+        common::proc_guard::wait_until(Duration::from_secs(20), || {
+            last = sd.show(task);
+            last["result"]["status"] != "running"
+        }),
+        "the end was never recorded: {last}"
+    );
+    let run = &last["result"]["runs"][0];
+    assert_eq!(run["outcome"], "timed_out", "{last}");
+    let error = run["error"].as_str().unwrap_or_default();
+    assert!(error.contains("exceeded max runtime"), "{last}");
+    sd.d.assert_healthy();
+}
+
 /// A worker that fills the disk with its own output: the tick's rotation cannot write the
 /// log's backup, so it cuts the log with nothing kept rather than leave it over its bound and
 /// the disk full for good. The board is writable again without anyone stepping in, and the

@@ -225,6 +225,10 @@ pub struct ExitContext {
     pub policy: ExitPolicy,
     /// Claim the next ready task(s) for the freed slot in the same transaction.
     pub claim_next: Option<ClaimParams>,
+    /// The worker overran its max runtime and was ended for it, but the timeout could not be
+    /// recorded then (a full disk): its error, so the exit closes the run `timed_out`, as the
+    /// timeout would have, not `crashed` by the signal that ended it.
+    pub timed_out: Option<String>,
 }
 
 /// The board's record of how a worker ended (`None`: not known).
@@ -259,7 +263,8 @@ pub struct Refill {
 /// Then, with `claim_next`, claims for the freed slot in the same transaction.
 pub async fn record_exit(store: &Store, cx: ExitContext) -> Result<Refill, StoreError> {
     // Only a crash quotes the log; a clean exit (the common case) reads nothing.
-    let crashed = !(cx.exit.code == Some(0) && cx.policy.on_exit_zero == OnExitZero::Complete);
+    let crashed = cx.timed_out.is_some()
+        || !(cx.exit.code == Some(0) && cx.policy.on_exit_zero == OnExitZero::Complete);
     let tail = if crashed {
         cx.log_start.tail(&cx.log_path, LOG_TAIL_BYTES)
     } else {
@@ -328,6 +333,26 @@ fn close_after_exit(tx: &Tx<'_>, cx: &ExitContext, tail: &str, now: Millis) -> b
     if !run.is_open() {
         // Closed by the worker's own report (or by force): the exit changes nothing.
         return Ok(());
+    }
+    if let Some(error) = &cx.timed_out {
+        if tx.task_state(cx.task_id)?.1 != Some(cx.run_id) {
+            return Ok(());
+        }
+        let how = match (cx.exit.code, cx.exit.signal) {
+            (Some(c), _) => format!("exited with code {c}"),
+            (None, Some(s)) => format!("killed by signal {}", signal_name(s)),
+            _ => "exited".to_string(),
+        };
+        let error = with_tail(format!("{error}; then {how}"), tail);
+        return fail(
+            tx,
+            cx.run_id,
+            &cx.policy,
+            RunOutcome::TimedOut,
+            Some(cx.exit),
+            error,
+            now,
+        );
     }
     if cx.exit.code == Some(0) && cx.policy.on_exit_zero == OnExitZero::Complete {
         // `complete_task` checks that the run is still the task's current one before it

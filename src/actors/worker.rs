@@ -152,6 +152,9 @@ pub struct WorkerActor {
     /// The last Terminate's tree-end failed: the next Terminate (its retry, or one from the
     /// reaper) is taken although `terminating` is set.
     kill_failed: bool,
+    /// The max runtime was overrun and the timeout could not be recorded (see
+    /// `outcome::ExitContext::timed_out`): its error, for the exit to record.
+    timeout_unrecorded: Option<String>,
     /// Clear the run's evidence once the running tree-end finishes.
     clear_when_ended: bool,
     /// When our child was started (None for an adopted worker).
@@ -211,6 +214,7 @@ impl WorkerActor {
             pid_released: false,
             tree_ending: false,
             kill_failed: false,
+            timeout_unrecorded: None,
             clear_when_ended: false,
             spawned_at: None,
             log_start: spawn::LogStart::default(),
@@ -463,6 +467,7 @@ impl WorkerActor {
             log_start: self.log_start.clone(),
             policy: self.policy.clone(),
             claim_next: self.claim_on_close.clone(),
+            timed_out: self.timeout_unrecorded.clone(),
         };
         async move {
             // A refused commit is retried: an unrecorded exit would leave the run open with
@@ -747,9 +752,10 @@ impl WorkerActor {
             "exceeded max runtime of {}",
             humantime::format_duration(limit)
         );
+        let unrecorded = error.clone();
         async move { outcome::record_timeout(&store, run_id, policy, error).await }
             .into_actor(self)
-            .map(|res, act, ctx| match res {
+            .map(move |res, act, ctx| match res {
                 Ok(true) => ctx.notify(Terminate {
                     kill_after: act.kill_timeout,
                     reason: TerminateReason::RunClosed,
@@ -760,9 +766,11 @@ impl WorkerActor {
                 Err(e) if e.code == "unavailable" => {
                     tracing::info!(run_id = act.run_id(), "worker: timeout during shutdown; left to the next incarnation");
                 }
-                // Not recorded: still end it (the limit is the limit); the exit closes the run.
+                // Not recorded: still end it (the limit is the limit); the exit closes the run,
+                // as timed out.
                 Err(e) => {
-                    tracing::warn!(run_id = act.run_id(), error = %e, "worker: timeout not recorded");
+                    tracing::warn!(run_id = act.run_id(), error = %e, "worker: timeout not recorded; its exit will record it");
+                    act.timeout_unrecorded = Some(unrecorded);
                     ctx.notify(Terminate {
                         kill_after: act.kill_timeout,
                         reason: TerminateReason::RunClosed,

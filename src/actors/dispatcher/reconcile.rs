@@ -521,6 +521,7 @@ impl DispatcherActor {
                     log_start: log_start.clone(),
                     policy: policy.clone(),
                     claim_next: None,
+                    timed_out: None,
                 });
                 let store = self.store.clone();
                 let (token, kill) = (run.token.clone(), self.config.reaper.kill_timeout);
