@@ -236,11 +236,17 @@ fn run_hook(
         );
     // A session (and group) of its own, as a worker's: no controlling terminal, and no other
     // hook or worker can move into its group.
-    // SAFETY: between fork and exec; setsid is async-signal-safe and allocates nothing.
+    // And the descriptor limit the supervisor was started with, as a worker (best effort).
+    let nofile = process::nofile::for_workers();
+    // SAFETY: between fork and exec; setsid and setrlimit are async-signal-safe and allocate
+    // nothing.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            if let Some(lim) = &nofile {
+                libc::setrlimit(libc::RLIMIT_NOFILE, lim);
             }
             Ok(())
         });

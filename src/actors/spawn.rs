@@ -635,6 +635,7 @@ fn std_command(
     }
     let limits = rlimit_pairs(&spec.rlimits)?;
     let umask = spec.umask;
+    let nofile = process::nofile::for_workers();
     // SAFETY: the closure runs between fork and exec; it only calls async-signal-safe
     // functions (setsid, umask, setrlimit) and allocates nothing.
     unsafe {
@@ -645,6 +646,11 @@ fn std_command(
             }
             if let Some(m) = umask {
                 libc::umask(m as libc::mode_t);
+            }
+            // The limit the supervisor started with (best effort, as the clone3 start); the
+            // assignee's own `rlimits` next, which may set it otherwise.
+            if let Some(lim) = &nofile {
+                libc::setrlimit(libc::RLIMIT_NOFILE, lim);
             }
             for &(resource, value) in &limits {
                 let lim = libc::rlimit {

@@ -32,6 +32,17 @@ pub fn serve(cli: &Cli) -> Result<(), CliError> {
             }
         }
     }
+    // Room for a pidfd per worker and a descriptor per connection; workers keep the limit
+    // this process was started with (see process::nofile).
+    match crate::process::nofile::raise() {
+        Ok(Some(r)) => tracing::info!(
+            from = r.from,
+            to = r.to,
+            "raised the descriptor limit (workers keep the one it was)"
+        ),
+        Ok(None) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot raise the descriptor limit"),
+    }
     let config = load_config(cli)?;
     let shutdown = async {
         use tokio::signal::unix::{SignalKind, signal};

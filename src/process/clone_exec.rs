@@ -73,6 +73,9 @@ struct ChildArgs {
     /// The starting thread is batched by [`super::sched`]: the child takes the normal
     /// scheduling policy back if it inherited `SCHED_BATCH`.
     normal_policy: bool,
+    /// The descriptor limit to start the program with, if not this process's own (see
+    /// [`super::nofile`]).
+    nofile: Option<libc::rlimit>,
     /// Written by a failing child: which step (an index into [`STEPS`]) and its errno.
     failed_step: c_int,
     errno: c_int,
@@ -145,6 +148,7 @@ pub fn spawn_leader(
         stdio: fds,
         empty_mask,
         normal_policy: super::sched::batched_here(),
+        nofile: super::nofile::for_workers(),
         failed_step: 0,
         errno: 0,
     };
@@ -415,6 +419,11 @@ unsafe extern "C" fn child_main(args: *mut ChildArgs) -> ! {
                         libc::SCHED_OTHER,
                         &libc::sched_param { sched_priority: 0 },
                     );
+                }
+                // Best effort, as the policy: a worker left with the supervisor's raised
+                // limit still runs.
+                if let Some(lim) = &(*args).nofile {
+                    libc::setrlimit(libc::RLIMIT_NOFILE, lim);
                 }
                 libc::execve((*args).path, (*args).argv, (*args).envp);
                 5

@@ -34,6 +34,7 @@ pub mod exit_status;
 mod fingerprint;
 mod group_fallback;
 mod liveness;
+pub mod nofile;
 pub mod owned;
 mod pidfd;
 pub mod sched;
