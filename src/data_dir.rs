@@ -13,8 +13,10 @@ use crate::supervisor::SupervisorError;
 /// directory that exists but to take others' write access from the supervisor's own data dir
 /// (as every start does): the rest is [`set_modes`]'s, once the lock is held, so a start
 /// refused by a running supervisor's lock never narrows what that supervisor's users need. Returns
-/// whether the data dir is the supervisor's alone.
-pub(crate) fn create_dirs(config: &Config) -> Result<bool, SupervisorError> {
+/// whether the data dir is the supervisor's alone, and what it created ([`Created`]: removed
+/// again if the start fails).
+pub(crate) fn create_dirs(config: &Config) -> Result<(bool, Created), SupervisorError> {
+    let mut created = Created::default();
     let data_dir_is_ours = is_ours(config)?;
     // Others' write access goes even before the lock (every start's `set_modes` takes it away,
     // so a refused start harms no running supervisor): until then the lock file could be
@@ -33,7 +35,7 @@ pub(crate) fn create_dirs(config: &Config) -> Result<bool, SupervisorError> {
         (&config.logs_dir(), 0o700),
         (&config.work_dir(), 0o711),
     ] {
-        make_dir(dir, mode).map_err(|source| {
+        make_dir(dir, mode, &mut created.0).map_err(|source| {
             // "File exists" reads like success: say what is in the way.
             let problem = match source.kind() {
                 std::io::ErrorKind::AlreadyExists => Some("is not a directory"),
@@ -57,14 +59,43 @@ pub(crate) fn create_dirs(config: &Config) -> Result<bool, SupervisorError> {
             }
         })?;
     }
-    Ok(data_dir_is_ours)
+    Ok((data_dir_is_ours, created))
+}
+
+/// The directories a start created, deepest last. Dropped, it removes those still empty,
+/// deepest first: a start that fails (a bad `cwd`, a file where the socket goes) leaves no
+/// `data/`, `logs/` or `work/` behind — but never anything that holds a file (a board, a
+/// log). [`Created::keep`] once the start has succeeded.
+#[derive(Default)]
+pub(crate) struct Created(Vec<std::path::PathBuf>);
+
+impl Created {
+    /// The start succeeded: the directories stay.
+    pub(crate) fn keep(mut self) {
+        self.0.clear();
+    }
+}
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        for dir in self.0.iter().rev() {
+            // remove_dir refuses a directory that is not empty: nothing in it is lost.
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
 }
 
 /// Creates `dir` with `mode` if it is missing (its parents as they come: they are not ours to
-/// close); one that is a directory already is left as it is.
-fn make_dir(dir: &Path, mode: u32) -> std::io::Result<()> {
+/// close); one that is a directory already is left as it is. What it created is added to
+/// `created`, outermost first.
+fn make_dir(dir: &Path, mode: u32, created: &mut Vec<std::path::PathBuf>) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        let missing: Vec<_> = parent
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .map(Path::to_path_buf)
+            .collect();
         std::fs::create_dir_all(parent).map_err(|e| match e.kind() {
             // A file where a parent should be: said as what is wrong with `dir`'s path.
             std::io::ErrorKind::AlreadyExists => {
@@ -72,8 +103,13 @@ fn make_dir(dir: &Path, mode: u32) -> std::io::Result<()> {
             }
             _ => e,
         })?;
+        created.extend(missing.into_iter().rev());
     }
     match std::fs::DirBuilder::new().mode(mode).create(dir) {
+        Ok(()) => {
+            created.push(dir.to_path_buf());
+            Ok(())
+        }
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
         other => other,
     }

@@ -135,10 +135,11 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         ));
     }
     can_switch_users(&config)?;
-    let data_dir_is_ours = crate::data_dir::create_dirs(&config)?;
+    config.check_rlimits()?;
+    // Removed again, if still empty, should the start fail from here on (see `Created`).
+    let (data_dir_is_ours, created) = crate::data_dir::create_dirs(&config)?;
     // After create_dirs: a working directory inside the data dir may be one of ours.
     config.check_working_dirs()?;
-    config.check_rlimits()?;
     for (name, a) in &config.assignees {
         if let Some(why) = crate::actors::spawn::program_missing(a) {
             tracing::warn!(
@@ -240,6 +241,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     let control = socket
         .serve(services.clone())
         .map_err(|e| SupervisorError::Runtime(e.to_string()))?;
+    created.keep();
     Ok(Booted {
         services,
         control,

@@ -370,10 +370,16 @@ fn a_working_directory_must_exist_when_a_supervisor_starts() {
     assert!(message.contains("[assignees.coder] cwd"), "{message}");
     assert!(message.contains("missing"), "{message}");
     assert!(!missing.exists(), "nothing is created by a refused start");
+    // Not even the data dir, its logs/ and work/ (made before the cwd could be checked).
+    assert!(
+        !dir.path().join("data").exists(),
+        "a refused start left its data dir behind"
+    );
 
     let file = dir.path().join("file");
     std::fs::write(&file, "").unwrap();
     assert!(start(&file).contains("is not a directory"));
+    assert!(!dir.path().join("data").exists());
 }
 
 #[test]
@@ -650,6 +656,25 @@ fn a_socket_path_taken_by_something_else_names_its_key() {
         "{message}"
     );
     assert!(taken.is_dir(), "what was in the socket's place was touched");
+    assert!(
+        !dir.path().join("data").exists(),
+        "a refused start left its data dir behind"
+    );
+
+    // A data dir that was there before is kept, and what it holds.
+    let kept = dir.path().join("kept");
+    std::fs::create_dir_all(kept.join("logs")).unwrap();
+    std::fs::write(kept.join("logs").join("1.log"), "earlier output").unwrap();
+    let mut config = Config::with_data_dir(kept.clone());
+    config.supervisor.socket = Some(taken.clone());
+    assert!(runwarden::Supervisor::start(config).is_err());
+    assert_eq!(
+        std::fs::read_to_string(kept.join("logs").join("1.log"))
+            .ok()
+            .as_deref(),
+        Some("earlier output")
+    );
+    assert!(kept.is_dir());
 }
 
 /// A resource limit no worker could be given is refused when a supervisor starts, naming the
