@@ -157,6 +157,60 @@ fn an_oversized_line_gets_too_large_and_is_closed() {
     d.assert_healthy();
 }
 
+/// A client that never says hello cannot keep a connection slot, whether it is silent or keeps
+/// sending something else: it is closed 10 s after its connection (the hello wait, under the
+/// default 30 s idle timeout), while one that said hello and then went quiet as long is kept.
+#[test]
+fn a_client_that_never_says_hello_is_closed_after_the_hello_wait() {
+    let mut d = Daemon::start("", "");
+    let mut quiet = d.raw();
+    quiet.hello();
+    let mut silent = d.raw();
+    let mut chatty = d.raw();
+    // Answered (with "send hello first") but no hello: the wait is not reset by it.
+    let chat = std::thread::spawn(move || {
+        let mut refusals = 0;
+        loop {
+            if chatty.try_send(b"{\"id\":1,\"op\":\"status\"}\n").is_err() {
+                break;
+            }
+            match chatty.recv() {
+                Some(r) if error_code(&r) == "idle_timeout" => return (refusals, Some(r)),
+                Some(_) => refusals += 1,
+                None => break,
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        (refusals, None)
+    });
+    // RawConn reads time out at 10 s: wait past that for the line.
+    silent
+        .reader
+        .get_ref()
+        .set_read_timeout(Some(Duration::from_secs(25)))
+        .unwrap();
+    let r = silent.recv().expect("a closing line for the silent client");
+    assert_eq!(error_code(&r), "idle_timeout", "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("hello"),
+        "{r}"
+    );
+    assert!(silent.closed());
+    let (refusals, last) = chat.join().expect("the chatty client");
+    let last = last.expect("the chatty client was never closed for want of a hello");
+    assert!(
+        refusals >= 5,
+        "it kept sending: {refusals} refusals before {last}"
+    );
+    // Quiet as long, but it said hello: still served.
+    let r = quiet.call(r#"{"id":2,"op":"status"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    d.assert_healthy();
+}
+
 #[test]
 fn a_silent_client_is_disconnected_after_the_idle_timeout() {
     let mut d = daemon();

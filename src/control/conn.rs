@@ -63,6 +63,8 @@ const REFUSAL_DRAIN_BYTES: usize = 64 * 1024 * 1024;
 /// A client silent this long (one that was idle, say) has nothing more on its way: the drain
 /// stops, and its slot is freed.
 const REFUSAL_DRAIN_GAP: Duration = Duration::from_millis(100);
+/// How long a new connection has to say hello (at most `idle_timeout`).
+pub const HELLO_WAIT: Duration = Duration::from_secs(10);
 /// How often a connection whose client has shut down its sending side, but still has streams
 /// open, checks whether the client has closed the socket altogether.
 const HANGUP_PROBE: Duration = Duration::from_secs(1);
@@ -111,6 +113,12 @@ pub(super) async fn serve(
     let idle = shared.idle_timeout;
     let idle_timer = tokio::time::sleep(idle);
     tokio::pin!(idle_timer);
+    // Until its hello, a connection has HELLO_WAIT (or idle_timeout, if shorter) from its
+    // accept, whatever it sends meanwhile: a client that never says hello — silent, or sending
+    // anything else — cannot keep a connection slot, which operators and workers' reports need.
+    let hello_wait = idle.min(HELLO_WAIT);
+    let hello_by = tokio::time::sleep(hello_wait);
+    tokio::pin!(hello_by);
     let mut hangup_probe = tokio::time::interval(HANGUP_PROBE);
     hangup_probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut was_idle = true;
@@ -228,6 +236,14 @@ pub(super) async fn serve(
                     continue;
                 }
                 let msg = format!("no request for {}; closing the connection", humantime::format_duration(idle));
+                last_words = Some(Response::error(None, code::IDLE_TIMEOUT, msg).to_line());
+                closing = true;
+            }
+            _ = &mut hello_by, if !session.hello && !closing && !eof => {
+                let msg = format!(
+                    "no hello within {}; closing the connection",
+                    humantime::format_duration(hello_wait)
+                );
                 last_words = Some(Response::error(None, code::IDLE_TIMEOUT, msg).to_line());
                 closing = true;
             }
