@@ -63,14 +63,15 @@ pub(crate) fn create_dirs(config: &Config) -> Result<(bool, Created), Supervisor
 }
 
 /// The directories a start created, deepest last. Dropped, it removes those still empty,
-/// deepest first: a start that fails (a bad `cwd`, a file where the socket goes) leaves no
-/// `data/`, `logs/` or `work/` behind — but never anything that holds a file (a board, a
-/// log). [`Created::keep`] once the start has succeeded.
+/// deepest first: a start refused before it takes the lock (a bad `cwd`) leaves no `data/`,
+/// `logs/` or `work/` behind — but never anything that holds a file. [`Created::keep`] as soon
+/// as the lock has been tried, taken or not: whoever holds it from then on may be using them
+/// (a second start that lost the race for the lock must not remove the winner's `work/`).
 #[derive(Default)]
 pub(crate) struct Created(Vec<std::path::PathBuf>);
 
 impl Created {
-    /// The start succeeded: the directories stay.
+    /// The lock has been tried: the directories stay.
     pub(crate) fn keep(mut self) {
         self.0.clear();
     }

@@ -136,7 +136,10 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     }
     can_switch_users(&config)?;
     config.check_rlimits()?;
-    // Removed again, if still empty, should the start fail from here on (see `Created`).
+    crate::control::server::check_socket_path(&config.socket_path())
+        .map_err(|e| socket_error(&config, e))?;
+    // Removed again, if still empty, should the start fail before it takes the lock (see
+    // `Created`); kept from then on, whatever happens: whoever holds the lock may be using them.
     let (data_dir_is_ours, created) = crate::data_dir::create_dirs(&config)?;
     // After create_dirs: a working directory inside the data dir may be one of ours.
     config.check_working_dirs()?;
@@ -147,7 +150,9 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
             );
         }
     }
-    let lock = LockFile::acquire(&config.lock_path()).map_err(|e| match e {
+    let lock = LockFile::acquire(&config.lock_path());
+    created.keep();
+    let lock = lock.map_err(|e| match e {
         // The machine's answer about the data dir (a read-only file system, say): named with
         // its key, as `create_dirs` names what it cannot make.
         LockError::Io { .. } => SupervisorError::Runtime(format!("[supervisor] data_dir: {e}")),
@@ -157,21 +162,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     // not change what that supervisor's users and workers need.
     crate::data_dir::set_modes(&config, data_dir_is_ours)?;
     // Bound before any actor runs (a live socket refuses the start); served once they are up.
-    let socket = ControlServer::bind(&config).map_err(|e| match e {
-        crate::control::server::ControlError::AlreadyServing(_) => {
-            SupervisorError::Runtime(e.to_string())
-        }
-        // Something in the socket's place, or a directory it cannot be made in: named with
-        // the key that put it there.
-        _ => {
-            let key = if config.supervisor.socket.is_some() {
-                "[supervisor] socket"
-            } else {
-                "[supervisor] data_dir"
-            };
-            SupervisorError::Runtime(format!("{key}: {e}"))
-        }
-    })?;
+    let socket = ControlServer::bind(&config).map_err(|e| socket_error(&config, e))?;
     // Orphaned descendants of workers re-parent to us instead of init, so they can be found
     // and ended with their worker, and their zombies collected.
     let subreaper = if !config.supervisor.subreaper {
@@ -241,7 +232,6 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     let control = socket
         .serve(services.clone())
         .map_err(|e| SupervisorError::Runtime(e.to_string()))?;
-    created.keep();
     Ok(Booted {
         services,
         control,
@@ -252,6 +242,28 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
     })
 }
 
+/// The start's error for the control socket's `e`.
+fn socket_error(config: &Config, e: crate::control::server::ControlError) -> SupervisorError {
+    match e {
+        crate::control::server::ControlError::AlreadyServing(_) => {
+            SupervisorError::Runtime(e.to_string())
+        }
+        // Something in the socket's place, or a directory it cannot be made in: named with
+        // the key that put it there.
+        _ => {
+            let key = if config.supervisor.socket.is_some() {
+                "[supervisor] socket"
+            } else {
+                "[supervisor] data_dir"
+            };
+            SupervisorError::Runtime(format!("{key}: {e}"))
+        }
+    }
+}
+
+/// How long a `terminate` stop asks the reaper again about closed runs whose reap was under way.
+const LEFTOVERS_BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Graceful stop: stop claiming (ending workers if configured), flush the store.
 async fn stop(services: &Services) {
     let terminate = services.config.supervisor.shutdown == ShutdownMode::Terminate;
@@ -260,8 +272,16 @@ async fn stop(services: &Services) {
         .send(StopDispatching { terminate })
         .await;
     if terminate {
-        // A previous incarnation's worker still within its grace is no dispatcher's.
-        let _ = services.reaper.send(EndLeftovers).await;
+        // A previous incarnation's worker still within its grace is no dispatcher's. One whose
+        // run a sweep is probing right now (a /proc read) is asked about again once that is
+        // over, for a little while.
+        let deadline = tokio::time::Instant::now() + LEFTOVERS_BUSY_WAIT;
+        while let Ok(busy) = services.reaper.send(EndLeftovers).await
+            && busy > 0
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
     let _ = services.store.addr.send(Flush).await;
     tracing::info!("supervisor stopped");

@@ -106,7 +106,7 @@ fn a_worker_started_but_never_recorded_is_ended_never_adopted() {
     let mut cmd = Command::new("sh");
     cmd.arg("-c")
         .arg(format!(
-            "setsid sh -c 'sleep 3; exit 0' & echo $! > {}; exit 3",
+            "setsid sh -c 'sleep 30; exit 0' & echo $! > {}; exit 3",
             escapee_pid.display()
         ))
         .process_group(0)

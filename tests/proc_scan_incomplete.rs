@@ -8,25 +8,14 @@
 #[allow(dead_code)]
 mod common;
 
-use std::fs::File;
+use common::descriptors::use_up_descriptors;
+
 use std::process::{Command, Stdio};
 
 use common::proc_guard::{ChildGuard, wait_until};
 use common::runtime::SETTLE;
 use runwarden::process::descendants::{end_token_carriers, find_by_token};
 use runwarden::process::{Liveness, liveness};
-
-/// Opens `/dev/null` until the descriptor limit refuses; the files hold the descriptors.
-fn use_up_descriptors() -> Vec<File> {
-    let mut held = Vec::new();
-    loop {
-        match File::open("/dev/null") {
-            Ok(f) => held.push(f),
-            Err(e) if e.raw_os_error() == Some(libc::EMFILE) => return held,
-            Err(e) => panic!("open /dev/null: {e}"),
-        }
-    }
-}
 
 #[test]
 fn a_scan_out_of_file_descriptors_is_an_error_not_an_empty_answer() {

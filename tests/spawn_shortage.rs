@@ -8,30 +8,13 @@
 #[allow(dead_code)]
 mod common;
 
-use std::fs::File;
+use common::descriptors::use_up_descriptors;
 
 use common::lifecycle::{View, add, sh_assignee, task_for};
 use common::proc_guard::wait_until;
 use common::runtime::{SETTLE, TestDir, lib_config};
 use runwarden::Supervisor;
 use runwarden::board::{RunOutcome, TaskStatus};
-
-/// Opens /dev/null until the process has no descriptor left; the files hold them until dropped.
-fn use_up_descriptors() -> Vec<File> {
-    let mut held = Vec::new();
-    loop {
-        match File::open("/dev/null") {
-            Ok(f) => held.push(f),
-            Err(e) if e.raw_os_error() == Some(libc::EMFILE) => return held,
-            Err(e) => panic!("opening /dev/null: {e}"),
-        }
-        assert!(
-            held.len() < 1 << 20,
-            "no descriptor limit reached after {} files",
-            held.len()
-        );
-    }
-}
 
 #[test]
 fn a_start_without_descriptors_is_retried_without_counting_a_failure() {

@@ -122,8 +122,8 @@ pub fn fail(
 /// if still open, closes `spawn_failed` with the retry rules applied — unless the start failed
 /// for want of something the supervisor is short of ([`SpawnError::shortage`]): then the task
 /// is no more to blame than for a reclaim, and the run is requeued without counting a failure,
-/// after the first retry's backoff (at least [`SHORTAGE_BACKOFF`], so a supervisor out of
-/// descriptors does not claim and fail the same tasks in a loop).
+/// after a backoff that grows with the shortage's streak (at least [`SHORTAGE_BACKOFF`], so a
+/// supervisor out of descriptors does not claim and fail the same tasks in a loop).
 pub async fn record_spawn_failure(
     store: &Store,
     run_id: RunId,
@@ -147,8 +147,11 @@ pub async fn record_spawn_failure(
                         error.message
                     ),
                     default_max_retries: i64::from(policy.max_retries),
+                    // Growing with the shortage's streak as a failure's with its count (up to
+                    // `backoff_max`): a long one does not claim and requeue every ready task
+                    // each second.
                     backoff_ms: policy
-                        .backoff_ms(1)
+                        .backoff_ms(i64::from(error.streak.max(1)))
                         .max(SHORTAGE_BACKOFF.as_millis() as i64),
                     counts: false,
                     give_up_now: false,

@@ -62,8 +62,11 @@ pub struct DispatcherIs(pub Recipient<OwnedWorkers>);
 /// that no WorkerActor of ours holds — a previous incarnation's, which only this actor
 /// watches. Our own actors' workers are the dispatcher's to end (`StopDispatching`). Answers
 /// once they are ended, or after the time one kill sequence may take.
+/// Answers how many such runs it left alone because a reap of theirs was already under way (a
+/// sweep's probe, say, which may leave a worker within its grace running): ask again once
+/// that is over.
 #[derive(Message)]
-#[rtype(result = "()")]
+#[rtype(result = "usize")]
 pub struct EndLeftovers;
 
 /// Run the board sweep now (also on every tick); answers with the number of runs examined.
@@ -193,17 +196,31 @@ impl ReaperActor {
     /// a leader proven dead is acted on (its leftovers ended, its evidence cleared, its slot
     /// freed); a live one is left for its due time.
     fn reap_external(&mut self, c: ReapCandidate, early: bool, ctx: &mut Context<Self>) {
+        self.reap_external_then(c, early, ctx);
+    }
+
+    /// [`Self::reap_external`], with what resolves once the reap is over (`None` if one of
+    /// that run was under way already). The run stays `in_flight` until then, whoever waits.
+    fn reap_external_then(
+        &mut self,
+        c: ReapCandidate,
+        early: bool,
+        ctx: &mut Context<Self>,
+    ) -> Option<tokio::sync::oneshot::Receiver<()>> {
         if !self.in_flight.insert(c.run_id) {
-            return;
+            return None;
         }
         let run_id = c.run_id;
+        let (done, over) = tokio::sync::oneshot::channel();
         reap_and_record(self.store.clone(), c, early, self.kill_timeout)
             .into_actor(self)
             .map(move |res, act, _| {
                 act.in_flight.remove(&run_id);
                 log_reap(run_id, res);
+                let _ = done.send(());
             })
             .spawn(ctx);
+        Some(over)
     }
 
     fn sweep(&mut self, ctx: &mut Context<Self>) {
@@ -429,13 +446,14 @@ impl ReaperActor {
 }
 
 impl Handler<EndLeftovers> for ReaperActor {
-    type Result = ResponseActFuture<Self, ()>;
+    type Result = ResponseActFuture<Self, usize>;
     fn handle(&mut self, _: EndLeftovers, _: &mut Self::Context) -> Self::Result {
         let grace_ms = self.grace.as_millis() as i64;
         let store = self.store.clone();
         let dispatcher = self.dispatcher.clone();
         let kill = self.kill_timeout;
-        let bound = kill + crate::process::AFTER_SIGKILL + Duration::from_secs(2);
+        // A reap ends the leader's group, then what escaped it: two kill sequences at most.
+        let bound = 2 * (kill + crate::process::AFTER_SIGKILL) + Duration::from_secs(2);
         let read = async move {
             let all = store
                 .read(move |tx| {
@@ -456,7 +474,7 @@ impl Handler<EndLeftovers> for ReaperActor {
                 Ok(found) => found,
                 Err(e) => {
                     tracing::warn!(error = %e, "reaper: cannot read the closed runs at stop; their workers are left to their grace");
-                    return futures::future::Either::Left(fut::ready(()));
+                    return futures::future::Either::Left(fut::ready(0));
                 }
             };
             let owned: HashSet<RunId> = owners
@@ -470,44 +488,38 @@ impl Handler<EndLeftovers> for ReaperActor {
                         .map(|(r, _)| *r),
                 )
                 .collect();
-            let mut ids = Vec::new();
             let mut reaps = Vec::new();
+            let mut busy = 0;
             for c in all {
-                if owned.contains(&c.run_id)
-                    || act.left_to_its_worker(c.run_id)
-                    || !act.in_flight.insert(c.run_id)
-                {
+                if owned.contains(&c.run_id) || act.left_to_its_worker(c.run_id) {
+                    continue;
+                }
+                if act.in_flight.contains(&c.run_id) {
+                    busy += 1;
                     continue;
                 }
                 if let Some(p) = act.pending.remove(&c.run_id) {
                     ctx.cancel_future(p.timer);
                 }
-                ids.push(c.run_id);
-                reaps.push(reap_and_record(act.store.clone(), c, false, kill));
+                if let Some(over) = act.reap_external_then(c, false, ctx) {
+                    reaps.push(over);
+                }
             }
-            if !ids.is_empty() {
-                tracing::info!(runs = ids.len(), "reaper: ending the workers of closed runs at stop");
+            if !reaps.is_empty() {
+                tracing::info!(runs = reaps.len(), "reaper: ending the workers of closed runs at stop");
             }
             let all_reaped = async move {
-                tokio::time::timeout(bound, futures::future::join_all(reaps))
+                if tokio::time::timeout(bound, futures::future::join_all(reaps))
                     .await
-                    .map_err(|_| ())
-            };
-            futures::future::Either::Right(all_reaped.into_actor(act).map(move |res, act, _| {
-                for id in &ids {
-                    act.in_flight.remove(id);
-                }
-                match res {
-                    Ok(results) => {
-                        for (run_id, res) in ids.into_iter().zip(results) {
-                            log_reap(run_id, res);
-                        }
-                    }
-                    Err(()) => tracing::warn!(
+                    .is_err()
+                {
+                    tracing::warn!(
                         "reaper: the workers of closed runs were not all ended within the stop's bound"
-                    ),
+                    );
                 }
-            }))
+                busy
+            };
+            futures::future::Either::Right(all_reaped.into_actor(act))
         }))
     }
 }

@@ -10,6 +10,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
 
 use tokio::sync::oneshot;
@@ -68,6 +69,9 @@ impl LogStart {
 pub struct SpawnError {
     pub message: String,
     pub shortage: bool,
+    /// For a shortage: how many starts in a row have now failed for one on this supervisor's
+    /// spawner (1 for the first), so the retries back off while it lasts.
+    pub streak: u32,
 }
 
 impl SpawnError {
@@ -76,6 +80,7 @@ impl SpawnError {
         SpawnError {
             message,
             shortage: is_shortage(e),
+            streak: 0,
         }
     }
 
@@ -86,7 +91,11 @@ impl SpawnError {
             | process::ProcessError::System { source, .. } => is_shortage(source),
             _ => false,
         };
-        SpawnError { message, shortage }
+        SpawnError {
+            message,
+            shortage,
+            streak: 0,
+        }
     }
 }
 
@@ -95,6 +104,7 @@ impl From<String> for SpawnError {
         SpawnError {
             message,
             shortage: false,
+            streak: 0,
         }
     }
 }
@@ -164,8 +174,11 @@ impl Spawner {
     pub fn start(threads: usize, scheduling: Scheduling) -> std::io::Result<Spawner> {
         let (jobs, rx) = mpsc::channel::<SpawnJob>();
         let rx = Arc::new(Mutex::new(rx));
+        // Starts failed in a row for a shortage, across the threads (reset by any start).
+        let shortages = Arc::new(AtomicU32::new(0));
         for i in 0..threads.max(1) {
             let rx = rx.clone();
+            let shortages = shortages.clone();
             super::spawn_thread(format!("runwarden-spawn-{i}"), scheduling, move || {
                 loop {
                     // The lock is held only while waiting for the next job.
@@ -179,9 +192,19 @@ impl Spawner {
                     if job.reply.is_closed() {
                         continue;
                     }
-                    let _ = job
-                        .reply
-                        .send(spawn(&job.spec).map(|child| Handoff(Some(child))));
+                    let started = match spawn(&job.spec) {
+                        Ok(child) => {
+                            shortages.store(0, Ordering::Relaxed);
+                            Ok(Handoff(Some(child)))
+                        }
+                        Err(mut e) => {
+                            if e.shortage {
+                                e.streak = shortages.fetch_add(1, Ordering::Relaxed) + 1;
+                            }
+                            Err(e)
+                        }
+                    };
+                    let _ = job.reply.send(started);
                 }
             })?;
         }
@@ -297,7 +320,14 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let owned = process::owned::spawning();
     let cloned = match clone_start.as_ref().map(|c| c.start(&log)) {
         Some(Ok(started)) => Some(started),
-        Some(Err(Start::Failed(e))) => return Err(failed(&e)),
+        // exec's and chdir's own errors are about the program and its directory, never a
+        // shortage of the supervisor's: exec's EAGAIN is the worker's user over its process
+        // limit (RLIMIT_NPROC), which retrying without counting would never end.
+        Some(Err(Start::Failed(e))) => {
+            let mut error = failed(&e);
+            error.shortage = false;
+            return Err(error);
+        }
         Some(Err(Start::FailedAt(step, e))) => {
             // Named by its step, classified by its own error.
             let mut error = failed(&std::io::Error::other(format!("{step}: {e}")));
@@ -316,7 +346,17 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         None => {
             let mut cmd = std_command(spec, program, args, found.as_deref(), own_path, log)?;
             // From a batched spawner the worker would inherit SCHED_BATCH (see process::sched).
-            let child = process::sched::normal_while(|| cmd.spawn()).map_err(|e| failed(&e))?;
+            // std reports fork's errors and the child's (setuid, exec) alike: an EAGAIN is the
+            // supervisor's shortage only when the worker runs as the supervisor's own user
+            // (else it may be that user's process limit, the task's business).
+            let child = process::sched::normal_while(|| cmd.spawn()).map_err(|e| {
+                let mut error = failed(&e);
+                let other_user = spec.uid.is_some() || spec.gid.is_some();
+                if other_user && e.raw_os_error() == Some(libc::EAGAIN) {
+                    error.shortage = false;
+                }
+                error
+            })?;
             let pid = child.id() as i32;
             // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle.
             drop(child);

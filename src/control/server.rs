@@ -196,6 +196,17 @@ impl Drop for BoundSocket {
     }
 }
 
+/// Refuses, before anything is made, a socket path with something that is not a socket in
+/// the way (never replaced; [`ControlServer::bind`] checks again when it binds).
+pub fn check_socket_path(socket: &Path) -> Result<(), ControlError> {
+    match std::fs::symlink_metadata(socket) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            Err(ControlError::NotASocket(socket.to_path_buf()))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// A running control server. Dropping it stops accepting and removes the socket file.
 pub struct ControlServer {
     socket: PathBuf,

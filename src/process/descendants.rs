@@ -166,10 +166,13 @@ fn carries_now(pid: Pid, needle: &[u8]) -> Env {
     };
     match read_environ(pid) {
         Ok(env) if env.is_empty() => match super::read_stat(pid) {
-            // A kernel thread has no environment; a zombie has none left (and can fork no
-            // more); a process gone meanwhile carries nothing.
+            // A kernel thread has no environment; a zombie, or a process exiting (its memory
+            // maybe freed already, its exit held up by a hung mount for as long as that
+            // lasts), has none left and can fork no more; a process gone meanwhile carries
+            // nothing. A main thread that exited alone shows `Z` and was read through a live
+            // thread (`read_environ`).
             Err(_) => Env::Not,
-            Ok(s) if s.is_kernel_thread() || s.is_zombie() => Env::Not,
+            Ok(s) if s.is_kernel_thread() || s.is_zombie() || s.is_exiting() => Env::Not,
             // Laid out, and empty (`env -i`)? Read again: an exec that finished between the
             // two reads has an environment now, which is what counts.
             Ok(s) if s.env_end.is_some_and(|end| end != 0) => match read_environ(pid) {

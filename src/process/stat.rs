@@ -53,6 +53,13 @@ impl ProcStat {
         self.flags & PF_KTHREAD != 0
     }
 
+    /// True for a task that is exiting (`PF_EXITING`): its memory, environment included, may
+    /// already be gone, and it will fork nothing more.
+    pub fn is_exiting(&self) -> bool {
+        const PF_EXITING: u64 = 0x0000_0004;
+        self.flags & PF_EXITING != 0
+    }
+
     /// True for a process that has exited: a zombie (`Z`) or one being torn down (`X`) — all
     /// of it. The line is the thread-group leader's, and a leader that exits alone
     /// (`pthread_exit` in `main`) shows `Z` while its other threads run on: the process is

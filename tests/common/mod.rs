@@ -2,6 +2,7 @@
 
 pub mod board;
 pub mod control_daemon;
+pub mod descriptors;
 pub mod groups;
 pub mod lifecycle;
 pub mod proc_guard;

@@ -399,8 +399,12 @@ impl DispatcherActor {
                     let theirs = act.workers.contains_key(&run_id);
                     let store = act.store.clone();
                     async move {
-                        let Some(ended) = ended.filter(|_| !theirs) else {
-                            return;
+                        if theirs {
+                            return true; // Its actor's to settle: nothing held here.
+                        }
+                        let Some(ended) = ended else {
+                            tracing::warn!(run_id, "reconcile: cannot end what carries an unstarted run's token; held, tried again on the tick");
+                            return false;
                         };
                         let r = store
                             .with_tx(move |tx, now| {
@@ -420,19 +424,33 @@ impl DispatcherActor {
                                 tx.settle_spawn(run_id).map(|_| ())
                             })
                             .await;
-                        if let Err(e) = r {
-                            tracing::warn!(run_id, error = %e, "reconcile: cannot settle an unstarted run");
+                        match r {
+                            Ok(()) => true,
+                            Err(e) => {
+                                tracing::warn!(run_id, error = %e, "reconcile: cannot settle an unstarted run");
+                                false
+                            }
                         }
                     }
                     .into_actor(act)
                 })
-                // Settled (or not): the next reconcile looks at the run afresh. A settled start
-                // writes no event of its own, so the task and slot it freed get a pass now.
-                .map(move |_, act, ctx| {
+                // Settled: the next reconcile looks at the run afresh. A settled start writes no
+                // event of its own, so the task and slot it freed get a pass now. Not settled
+                // (its carriers could not all be ended, the write failed): the run is held, as
+                // one whose liveness is unknown — the first reconcile is done with it, and the
+                // next tick tries again (not at once: a failing scan must not loop).
+                .map(move |settled, act, ctx| {
                     act.closing.remove(&run_id);
                     act.first_followups -= 1;
+                    let first_pending = act.first_followups == 0 && !*act.reconciled_once.borrow();
+                    if !settled {
+                        if first_pending {
+                            act.reconciled_once.send_replace(true);
+                        }
+                        return;
+                    }
                     act.followups_settled += 1;
-                    if act.first_followups == 0 && !*act.reconciled_once.borrow() {
+                    if first_pending {
                         // The first reconcile is done once this settle is in (not a tick later).
                         act.reconcile(ctx);
                     }
