@@ -320,12 +320,14 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let owned = process::owned::spawning();
     let cloned = match clone_start.as_ref().map(|c| c.start(&log)) {
         Some(Ok(started)) => Some(started),
-        // exec's and chdir's own errors are about the program and its directory, never a
-        // shortage of the supervisor's: exec's EAGAIN is the worker's user over its process
-        // limit (RLIMIT_NPROC), which retrying without counting would never end.
+        // exec's EAGAIN is the worker's user over its process limit (RLIMIT_NPROC), the task's
+        // business, which retrying without counting would never end; its EMFILE or ENOMEM
+        // (no descriptor to open the program with, no memory for the new image) are ours.
         Some(Err(Start::Failed(e))) => {
             let mut error = failed(&e);
-            error.shortage = false;
+            if e.raw_os_error() == Some(libc::EAGAIN) {
+                error.shortage = false;
+            }
             return Err(error);
         }
         Some(Err(Start::FailedAt(step, e))) => {
