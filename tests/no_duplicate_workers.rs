@@ -10,6 +10,8 @@
 //!   pid recorded yet): the task waits until that worker has been started, ended and reaped;
 //! - a supervisor died after such a reclaim, before the start settled: the next one finds the
 //!   late worker by its token and ends it, or finds none and frees the task.
+//! - a claim of the running supervisor's own whose start is late: held while anything carries
+//!   its token (its own actor is starting that worker), never ended by the reconcile.
 
 #[allow(dead_code)]
 mod common;
@@ -305,5 +307,54 @@ fn a_start_a_dead_supervisor_left_unsettled_is_settled_by_the_next() {
     let runs = sup.runs(late.task_id);
     assert_eq!(runs.len(), 2, "{history}");
     assert_eq!(runs[0].worker_pid, None, "nothing adopted: {history}");
+    sup.shutdown();
+}
+
+/// A claim of this very supervisor whose start is late (its claim's reply delayed past 30 s,
+/// forged here): what carries its token is a worker its own WorkerActor is starting, never a
+/// previous incarnation's unrecorded one — the reconcile holds the run while it is there,
+/// never ends it, and releases the run only once nothing carries the token.
+#[test]
+fn a_late_claim_of_our_own_is_held_never_its_carriers_ended() {
+    let td = TestDir::new();
+    let mut config = lib_config(&td);
+    config.assignees.insert("w".into(), sh_assignee("exit 0"));
+    let mut sup = Supervisor::start(config).expect("start the supervisor");
+    let warm = add(&sup, task_for("warm-up", "w"));
+    sup.wait_status(warm, TaskStatus::Done, SETTLE);
+    let ours = sup.runs(warm)[0].claimer.clone();
+
+    let long_ago = now_millis() - 60_000;
+    let claim = write(&sup, move |tx, _| {
+        let id = tx
+            .create_task(
+                &NewTask::titled("late start").for_assignee("nobody"),
+                long_ago,
+            )?
+            .id;
+        tx.claim_task_to_spawn(id, &ours, long_ago, 600_000)
+    })
+    .expect("forge a late claim of ours");
+    let mut cmd = Command::new("sleep");
+    cmd.arg("300")
+        .process_group(0)
+        .env("RUNWARDEN_RUN_TOKEN", &claim.token);
+    let carrier = ChildGuard::spawn(&mut cmd).expect("start the late worker");
+
+    // Twenty ticks and more: never ended, the run held.
+    let ended = carrier
+        .pidfd()
+        .wait_exit(Duration::from_secs(2))
+        .unwrap_or(true);
+    assert!(!ended, "the reconcile ended a worker of its own claim");
+    let history = sup.history(claim.task_id);
+    assert!(sup.runs(claim.task_id)[0].outcome.is_none(), "{history}");
+
+    // Gone: the run is released, nothing left to hold it.
+    drop(carrier);
+    let released = wait_until(SETTLE, || {
+        sup.runs(claim.task_id)[0].outcome == Some(RunOutcome::Reclaimed)
+    });
+    assert!(released, "{}", sup.history(claim.task_id));
     sup.shutdown();
 }

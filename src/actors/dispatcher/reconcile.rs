@@ -374,7 +374,26 @@ impl DispatcherActor {
                 self.first_followups += 1;
                 let kill = self.config.reaper.kill_timeout;
                 let token = run.token.clone();
+                // A claim of this incarnation's own (its reply late past JUST_CLAIMED_MS): what
+                // carries its token is a worker its own WorkerActor is starting right now, or
+                // one a Handoff kills; never ended from here. Held while any is there.
+                let our_claim = run.claimer == self.claimer;
                 async move {
+                    if our_claim {
+                        let found = actix_rt::task::spawn_blocking(move || {
+                            process::descendants::find_by_token(&token)
+                        })
+                        .await;
+                        return match found {
+                            Ok(Ok(carriers)) if carriers.is_empty() => {
+                                Some(process::descendants::CarriersEnded {
+                                    count: 0,
+                                    sigkill: false,
+                                })
+                            }
+                            _ => None,
+                        };
+                    }
                     // Whatever carries the run's token was started for it — but which carrier
                     // is the worker cannot be proven: once the worker has exited, a descendant
                     // that escaped its group (setsid) looks just like it, and adopting that
@@ -403,7 +422,7 @@ impl DispatcherActor {
                             return true; // Its actor's to settle: nothing held here.
                         }
                         let Some(ended) = ended else {
-                            tracing::warn!(run_id, "reconcile: cannot end what carries an unstarted run's token; held, tried again on the tick");
+                            tracing::warn!(run_id, "reconcile: what carries an unstarted run's token is still there (a claim of ours starting late) or could not be ended; held, tried again on the tick");
                             return false;
                         };
                         let r = store
