@@ -28,6 +28,23 @@ fn nofile_of(pid: i32) -> (u64, u64) {
     (nums[0], nums[1])
 }
 
+/// Starts `cmd` with the soft and hard limits [`SOFT`] and [`HARD`].
+fn with_low_limit(cmd: &mut std::process::Command) {
+    // SAFETY: setrlimit between fork and exec, nothing allocated.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: SOFT,
+                rlim_max: HARD,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 #[test]
 fn serve_raises_its_descriptor_limit_and_its_workers_keep_the_one_it_had() {
     let td = TestDir::new();
@@ -47,21 +64,7 @@ fn serve_raises_its_descriptor_limit_and_its_workers_keep_the_one_it_had() {
             assignee("u", "umask = \"022\"")
         ),
     );
-    let mut serve = Serve::start_with(&config, "serve", |cmd| {
-        // SAFETY: setrlimit between fork and exec, nothing allocated.
-        unsafe {
-            cmd.pre_exec(|| {
-                let lim = libc::rlimit {
-                    rlim_cur: SOFT,
-                    rlim_max: HARD,
-                };
-                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    });
+    let mut serve = Serve::start_with(&config, "serve", with_low_limit);
     serve.wait_ready(&td.lock_path(), &td.db_path());
     assert_eq!(
         nofile_of(serve.pid()),
@@ -82,5 +85,21 @@ fn serve_raises_its_descriptor_limit_and_its_workers_keep_the_one_it_had() {
             "worker {name} did not start with the supervisor's original limit"
         );
     }
+    serve.stop_cleanly(runwarden::process::Signal::SIGTERM);
+}
+
+/// A descriptor limit below what the config may need at once is said at start (a warning
+/// naming both), not found out as EMFILE under load.
+#[test]
+fn a_descriptor_limit_below_the_configs_needs_is_warned_about_at_start() {
+    let td = TestDir::new();
+    let config = td.write_config("tick = \"50ms\"", "[control]\nmax_connections = 2048\n");
+    let mut serve = Serve::start_with(&config, "serve", with_low_limit);
+    serve.wait_ready(&td.lock_path(), &td.db_path());
+    let stderr = serve.stderr();
+    assert!(
+        stderr.contains("the descriptor limit is below") && stderr.contains("limit=4096"),
+        "{stderr}"
+    );
     serve.stop_cleanly(runwarden::process::Signal::SIGTERM);
 }

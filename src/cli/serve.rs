@@ -44,6 +44,20 @@ pub fn serve(cli: &Cli) -> Result<(), CliError> {
         Err(e) => tracing::warn!(error = %e, "cannot raise the descriptor limit"),
     }
     let config = load_config(cli)?;
+    // Said at start, not found out as EMFILE under load (spawns requeued, accepts retried).
+    let needed = crate::process::nofile::needed(
+        config.supervisor.max_in_progress,
+        config.control.max_connections,
+    );
+    if let Some(soft) = crate::process::nofile::soft_limit()
+        && soft < needed
+    {
+        tracing::warn!(
+            limit = soft,
+            needed,
+            "the descriptor limit is below what max_in_progress and [control] max_connections may need at once; raise the hard limit (LimitNOFILE=) or lower them"
+        );
+    }
     let shutdown = async {
         use tokio::signal::unix::{SignalKind, signal};
         let (Ok(mut term), Ok(mut int)) = (

@@ -61,3 +61,21 @@ pub fn raise() -> io::Result<Option<Raised>> {
 pub fn for_workers() -> Option<libc::rlimit> {
     BEFORE.get().copied()
 }
+
+/// This process's soft descriptor limit now (`None` if it cannot be read).
+pub fn soft_limit() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim.rlim_cur)
+}
+
+/// Descriptors a supervisor may hold at once, roughly: a pidfd per live worker (and a log
+/// file while one starts), a connection per control client (and a log file it follows), and
+/// 64 for the board, the lock and the rest. A lower limit is not refused (most of it is
+/// rarely all in use), only said.
+pub fn needed(max_in_progress: u32, max_connections: u32) -> u64 {
+    2 * u64::from(max_in_progress) + 2 * u64::from(max_connections) + 64
+}
