@@ -14,7 +14,9 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::actors::dispatcher::{DispatcherActor, LiveWorkers, StopDispatching};
-use crate::actors::hooks::{HookActor, HooksStop, release_hook_token, take_over_hook_token};
+use crate::actors::hooks::{
+    DropQueued, HookActor, HooksStop, release_hook_token, take_over_hook_token,
+};
 use crate::actors::reaper::{EndLeftovers, ReaperActor, SweepNow};
 use crate::actors::spawn::Spawner;
 use crate::actors::store::{Flush, Store, StoreActor, StoreError};
@@ -82,6 +84,8 @@ struct Booted {
     services: Services,
     control: ControlServer,
     hooks: HooksStop,
+    /// The hook runner, when there are hooks: told at the stop to drop what is queued.
+    hook_actor: Option<Addr<HookActor>>,
     /// This incarnation's hook token, released once it has stopped cleanly.
     hook_token: Arc<str>,
     /// Released last, after the hook token: a successor cannot start in between.
@@ -202,7 +206,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         config.reaper.kill_timeout,
         copy,
     );
-    if !config.hooks.is_empty() {
+    let hook_actor = (!config.hooks.is_empty()).then(|| {
         HookActor::new(
             config.hooks.clone(),
             hook_token.clone(),
@@ -210,8 +214,8 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
             store.clone(),
             hooks.clone(),
         )
-        .start();
-    }
+        .start()
+    });
     let dispatcher = DispatcherActor::new(config.clone(), store.clone(), reaper.clone(), spawner);
     let reconciled_once = dispatcher.first_reconcile_done();
     let dispatcher = dispatcher.start();
@@ -236,6 +240,7 @@ fn boot(mut config: Config) -> Result<Booted, SupervisorError> {
         services,
         control,
         hooks,
+        hook_actor,
         hook_token,
         lock: Some(lock),
         subreaper,
@@ -343,6 +348,10 @@ where
         booted.control.stop().await;
         booted.hooks.stop();
         stop(&booted.services).await;
+        // What waits in the hooks' queue (the stop's own events included) is dropped, and said.
+        if let Some(hooks) = &booted.hook_actor {
+            let _ = hooks.send(DropQueued).await;
+        }
         if booted.subreaper.is_some() {
             // Descendants adopted while the process was a subreaper and ended with their runs
             // just now (or not yet collected by a tick) would be the host's zombies for good

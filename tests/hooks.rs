@@ -394,6 +394,41 @@ fn a_stopping_supervisor_ends_its_running_hooks_whatever_their_timeout() {
     );
 }
 
+/// Hooks still queued when the supervisor stops are dropped, and the log says how many — also
+/// when nothing else happens after the stop begins (the count used to wait for a next event
+/// or a hook's end, which a stopping supervisor rarely saw).
+#[test]
+fn hooks_queued_at_a_stop_are_dropped_and_counted_in_the_log() {
+    let td = TestDir::new();
+    let (out, script) = hook_dir(&td, "echo $$ > h.$$; exec sleep 306");
+    // Six claims: four hooks run (the most at once), two wait in the queue.
+    let titles = ["a", "b", "c", "d", "e", "f"];
+    let (mut serve, mut db, tasks) =
+        start(&td, "exit 0", &hook(&["claimed"], &script, "1h"), &titles);
+    let running = wait_until(SETTLE, || fs::read_dir(&out).map_or(0, |d| d.count()) == 4);
+    assert!(running, "four hooks never ran");
+    // Every claim made (its event on its way to the hooks) before the stop: nothing new comes
+    // after it to make the queue's count be said.
+    for &task in &tasks {
+        db.wait_status(task, TaskStatus::Done, SETTLE);
+    }
+    // Ended with the test, whatever happens to the supervisor.
+    let _pins: Vec<_> = fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .map(|f| seen(wait_pid_file(&f.path(), SETTLE)))
+        .map(|hook| hook.pin())
+        .collect();
+    serve.stop_cleanly(Signal::SIGTERM);
+    let stderr = serve.stderr();
+    let dropped: u32 = stderr
+        .lines()
+        .filter(|l| l.contains("queued hook runs dropped"))
+        .filter_map(|l| l.split("dropped=").nth(1)?.trim().parse::<u32>().ok())
+        .sum();
+    assert_eq!(dropped, 2, "{stderr}");
+}
+
 /// A supervisor killed while a hook runs cannot end it, and nothing on the board records it:
 /// the next one ends it as it starts (it carries the killed one's hook token).
 #[test]

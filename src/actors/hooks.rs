@@ -164,6 +164,20 @@ impl Handler<HookEvent> for HookActor {
     }
 }
 
+/// The supervisor is stopping ([`HooksStop`] is set): drop what is queued, saying how much.
+/// Without it the count was said only if another event or a hook's end came along before the
+/// process exited, which at a stop they rarely do.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct DropQueued;
+
+impl Handler<DropQueued> for HookActor {
+    type Result = ();
+    fn handle(&mut self, _: DropQueued, ctx: &mut Self::Context) {
+        self.drain(ctx);
+    }
+}
+
 impl Handler<HookDone> for HookActor {
     type Result = ();
     fn handle(&mut self, _: HookDone, ctx: &mut Self::Context) {
