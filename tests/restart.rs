@@ -287,6 +287,35 @@ fn a_worker_whose_assignee_left_the_config_is_still_adopted_and_ended_at_its_max
     second.stop_cleanly(Signal::SIGTERM);
 }
 
+/// A library config on `td` with `shutdown = mode`, a grace of `grace`, and an assignee `slow`
+/// whose worker sleeps 300 s.
+fn slow_config(
+    td: &TestDir,
+    mode: runwarden::config::ShutdownMode,
+    grace: Option<Duration>,
+) -> runwarden::config::Config {
+    let mut c = common::runtime::lib_config(td);
+    c.supervisor.shutdown = mode;
+    if let Some(grace) = grace {
+        c.reaper.grace = grace;
+    }
+    c.assignees.insert(
+        "slow".into(),
+        runwarden::config::AssigneeConfig::new(["sleep", "300"]),
+    );
+    c
+}
+
+/// A slow task added through `sup`, and its worker, pinned.
+fn slow_task(sup: &runwarden::SupervisorHandle, title: &str) -> (TaskId, WorkerGuard) {
+    let task = sup
+        .add_task(NewTask::titled(title).for_assignee("slow"))
+        .expect("add")
+        .id;
+    let (pid, fp) = common::runtime::wait_worker(sup, task);
+    (task, WorkerGuard::pin(pid, &fp))
+}
+
 /// `shutdown = "terminate"` at once after a start (a SIGTERM during `serve`'s boot, a shutdown
 /// future of an embedding program already resolved) still ends the previous incarnation's
 /// workers: the stop waits for the first reconcile to adopt them, then releases their runs
@@ -294,24 +323,13 @@ fn a_worker_whose_assignee_left_the_config_is_still_adopted_and_ended_at_its_max
 /// running.
 #[test]
 fn a_terminating_stop_right_after_the_start_ends_the_previous_incarnations_workers() {
-    use common::runtime::{lib_config, wait_worker};
     use runwarden::Supervisor;
-    use runwarden::config::{AssigneeConfig, ShutdownMode};
+    use runwarden::config::ShutdownMode;
     let td = TestDir::new();
-    let config = |mode| {
-        let mut c = lib_config(&td);
-        c.supervisor.shutdown = mode;
-        c.assignees
-            .insert("slow".into(), AssigneeConfig::new(["sleep", "300"]));
-        c
-    };
+    let config = |mode| slow_config(&td, mode, None);
     let first = Supervisor::start(config(ShutdownMode::Leave)).expect("first start");
-    let task = first
-        .add_task(NewTask::titled("slow").for_assignee("slow"))
-        .expect("add")
-        .id;
-    let (pid, fp) = wait_worker(&first, task);
-    let worker = WorkerGuard::pin(pid, &fp);
+    let (task, worker) = slow_task(&first, "slow");
+    let pid = worker.pid;
     first.shutdown();
     assert!(worker.alive(), "shutdown = \"leave\" left it running");
 
@@ -344,25 +362,13 @@ fn a_terminating_stop_right_after_the_start_ends_the_previous_incarnations_worke
 /// rather than leaving it to a grace no supervisor will be there to end.
 #[test]
 fn a_terminating_stop_ends_a_previous_incarnations_worker_within_its_grace() {
-    use common::runtime::{lib_config, wait_worker};
     use runwarden::Supervisor;
-    use runwarden::config::{AssigneeConfig, ShutdownMode};
+    use runwarden::config::ShutdownMode;
     let td = TestDir::new();
-    let config = |mode| {
-        let mut c = lib_config(&td);
-        c.supervisor.shutdown = mode;
-        c.reaper.grace = Duration::from_secs(60);
-        c.assignees
-            .insert("slow".into(), AssigneeConfig::new(["sleep", "300"]));
-        c
-    };
+    let config = |mode| slow_config(&td, mode, Some(Duration::from_secs(60)));
     let first = Supervisor::start(config(ShutdownMode::Leave)).expect("first start");
-    let task = first
-        .add_task(NewTask::titled("done, then hangs").for_assignee("slow"))
-        .expect("add")
-        .id;
-    let (pid, fp) = wait_worker(&first, task);
-    let worker = WorkerGuard::pin(pid, &fp);
+    let (task, worker) = slow_task(&first, "done, then hangs");
+    let pid = worker.pid;
     first.complete(task, None).expect("complete");
     first.shutdown();
     assert!(worker.alive(), "within its 60 s grace, left running");

@@ -71,6 +71,28 @@ impl ExitPolicy {
         rand::thread_rng().gen_range(low..=high).max(0.0) as i64
     }
 
+    /// The record of a start that failed for a shortage ([`SpawnError::shortage`]): requeued
+    /// without counting, after a backoff that grows with the shortage's streak as a failure's
+    /// does with its count (up to `backoff_max`, at least [`SHORTAGE_BACKOFF`]): a long
+    /// shortage does not claim and requeue every ready task each second.
+    fn shortage(&self, error: &SpawnError) -> Failure {
+        Failure {
+            outcome: RunOutcome::SpawnFailed,
+            exit_code: None,
+            exit_signal: None,
+            error: format!(
+                "{} (the supervisor is short of resources: not counted as a failure)",
+                error.message
+            ),
+            default_max_retries: i64::from(self.max_retries),
+            backoff_ms: self
+                .backoff_ms(i64::from(error.streak.max(1)))
+                .max(SHORTAGE_BACKOFF.as_millis() as i64),
+            counts: false,
+            give_up_now: false,
+        }
+    }
+
     /// The failure record for a run ending as `outcome`, given the task's failures so far.
     fn failure(
         &self,
@@ -101,7 +123,8 @@ impl ExitPolicy {
 }
 
 /// Closes `run_id` as failed under `policy` (reads the task's failure count in the same tx):
-/// the one place a failure's retry and backoff are decided.
+/// the one place a failure's retry and backoff are decided (a start that failed for a
+/// shortage, no failure of the task's, has [`ExitPolicy::shortage`]).
 pub fn fail(
     tx: &Tx<'_>,
     run_id: RunId,
@@ -138,25 +161,7 @@ pub async fn record_spawn_failure(
                 return Ok(());
             }
             if error.shortage {
-                let failure = Failure {
-                    outcome: RunOutcome::SpawnFailed,
-                    exit_code: None,
-                    exit_signal: None,
-                    error: format!(
-                        "{} (the supervisor is short of resources: not counted as a failure)",
-                        error.message
-                    ),
-                    default_max_retries: i64::from(policy.max_retries),
-                    // Growing with the shortage's streak as a failure's with its count (up to
-                    // `backoff_max`): a long one does not claim and requeue every ready task
-                    // each second.
-                    backoff_ms: policy
-                        .backoff_ms(i64::from(error.streak.max(1)))
-                        .max(SHORTAGE_BACKOFF.as_millis() as i64),
-                    counts: false,
-                    give_up_now: false,
-                };
-                tx.fail_run(run_id, &failure, now)?;
+                tx.fail_run(run_id, &policy.shortage(&error), now)?;
                 return Ok(());
             }
             fail(

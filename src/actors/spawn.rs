@@ -75,13 +75,17 @@ pub struct SpawnError {
 }
 
 impl SpawnError {
-    /// `message`, about the OS error `e` (a shortage if `e` is one).
-    fn os(message: String, e: &std::io::Error) -> SpawnError {
+    fn new(message: String, shortage: bool) -> SpawnError {
         SpawnError {
             message,
-            shortage: is_shortage(e),
+            shortage,
             streak: 0,
         }
+    }
+
+    /// `message`, about the OS error `e` (a shortage if `e` is one).
+    fn os(message: String, e: &std::io::Error) -> SpawnError {
+        SpawnError::new(message, is_shortage(e))
     }
 
     /// `message`, about `e` (a shortage if the OS error under it is one).
@@ -91,21 +95,13 @@ impl SpawnError {
             | process::ProcessError::System { source, .. } => is_shortage(source),
             _ => false,
         };
-        SpawnError {
-            message,
-            shortage,
-            streak: 0,
-        }
+        SpawnError::new(message, shortage)
     }
 }
 
 impl From<String> for SpawnError {
     fn from(message: String) -> SpawnError {
-        SpawnError {
-            message,
-            shortage: false,
-            streak: 0,
-        }
+        SpawnError::new(message, false)
     }
 }
 
@@ -291,6 +287,11 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     };
     // The working directory and the user are named: a worker whose user cannot reach its
     // cwd fails with a bare EACCES that otherwise reads like `program` is the problem.
+    // A start as another user that fails with EAGAIN met that user's process limit
+    // (RLIMIT_NPROC, checked at setuid and exec): the task's business, not a shortage of the
+    // supervisor's, which retrying without counting would never end. (std reports fork's
+    // errors and the child's alike; a clone3 start never switches users.)
+    let other_user = spec.uid.is_some() || spec.gid.is_some();
     let failed = |e: &std::io::Error| {
         let who = spec.uid.map(|u| format!(" as uid {u}")).unwrap_or_default();
         let at = found
@@ -301,7 +302,11 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
             "cannot start `{program}`{at}{who} in {}: {e}",
             spec.cwd.display()
         );
-        SpawnError::os(what, e)
+        let mut error = SpawnError::os(what, e);
+        if other_user && e.raw_os_error() == Some(libc::EAGAIN) {
+            error.shortage = false;
+        }
+        error
     };
 
     // A name with a slash is used as it is (relative to the cwd, as exec after chdir reads it).
@@ -320,16 +325,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
     let owned = process::owned::spawning();
     let cloned = match clone_start.as_ref().map(|c| c.start(&log)) {
         Some(Ok(started)) => Some(started),
-        // exec's EAGAIN is the worker's user over its process limit (RLIMIT_NPROC), the task's
-        // business, which retrying without counting would never end; its EMFILE or ENOMEM
-        // (no descriptor to open the program with, no memory for the new image) are ours.
-        Some(Err(Start::Failed(e))) => {
-            let mut error = failed(&e);
-            if e.raw_os_error() == Some(libc::EAGAIN) {
-                error.shortage = false;
-            }
-            return Err(error);
-        }
+        Some(Err(Start::Failed(e))) => return Err(failed(&e)),
         Some(Err(Start::FailedAt(step, e))) => {
             // Named by its step, classified by its own error.
             let mut error = failed(&std::io::Error::other(format!("{step}: {e}")));
@@ -348,17 +344,7 @@ pub fn spawn(spec: &SpawnSpec) -> Result<Spawned, SpawnError> {
         None => {
             let mut cmd = std_command(spec, program, args, found.as_deref(), own_path, log)?;
             // From a batched spawner the worker would inherit SCHED_BATCH (see process::sched).
-            // std reports fork's errors and the child's (setuid, exec) alike: an EAGAIN is the
-            // supervisor's shortage only when the worker runs as the supervisor's own user
-            // (else it may be that user's process limit, the task's business).
-            let child = process::sched::normal_while(|| cmd.spawn()).map_err(|e| {
-                let mut error = failed(&e);
-                let other_user = spec.uid.is_some() || spec.gid.is_some();
-                if other_user && e.raw_os_error() == Some(libc::EAGAIN) {
-                    error.shortage = false;
-                }
-                error
-            })?;
+            let child = process::sched::normal_while(|| cmd.spawn()).map_err(|e| failed(&e))?;
             let pid = child.id() as i32;
             // Dropping the std handle neither waits nor kills; the pidfd owns the lifecycle.
             drop(child);

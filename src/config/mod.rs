@@ -380,9 +380,7 @@ impl Config {
     pub fn check_rlimits(&self) -> Result<(), ConfigError> {
         use nix::sys::resource::{Resource, getrlimit};
         let root = nix::unistd::geteuid().is_root();
-        let nr_open: Option<u64> = std::fs::read_to_string("/proc/sys/fs/nr_open")
-            .ok()
-            .and_then(|s| s.trim().parse().ok());
+        let nr_open = crate::process::nofile::nr_open();
         let shown = |v: u64| {
             if v == u64::MAX {
                 "unlimited".to_string()

@@ -26,18 +26,8 @@ pub struct Raised {
 /// `fs.nr_open`, which a limit may not exceed), remembering the one before for the workers
 /// ([`for_workers`]). `None` when there was nothing to raise. Once per process.
 pub fn raise() -> io::Result<Option<Raised>> {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes the struct it is given.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let ceiling = std::fs::read_to_string("/proc/sys/fs/nr_open")
-        .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .map_or(lim.rlim_max, |nr_open| lim.rlim_max.min(nr_open));
+    let lim = current()?;
+    let ceiling = nr_open().map_or(lim.rlim_max, |nr_open| lim.rlim_max.min(nr_open));
     if lim.rlim_cur >= ceiling || BEFORE.get().is_some() {
         return Ok(None);
     }
@@ -64,12 +54,28 @@ pub fn for_workers() -> Option<libc::rlimit> {
 
 /// This process's soft descriptor limit now (`None` if it cannot be read).
 pub fn soft_limit() -> Option<u64> {
+    current().ok().map(|lim| lim.rlim_cur)
+}
+
+/// The system's most descriptors a process may be allowed (`fs.nr_open`), if readable: no
+/// descriptor limit may exceed it.
+pub fn nr_open() -> Option<u64> {
+    std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+/// This process's descriptor limits.
+fn current() -> io::Result<libc::rlimit> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes the struct it is given.
-    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0).then_some(lim.rlim_cur)
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(lim)
 }
 
 /// Descriptors a supervisor may hold at once, roughly: a pidfd per live worker (and a log
