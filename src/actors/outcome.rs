@@ -124,7 +124,7 @@ impl ExitPolicy {
 
 /// Closes `run_id` as failed under `policy` (reads the task's failure count in the same tx):
 /// the one place a failure's retry and backoff are decided (a start that failed for a
-/// shortage, no failure of the task's, has [`ExitPolicy::shortage`]).
+/// shortage, no failure of the task's, has `ExitPolicy::shortage`).
 pub fn fail(
     tx: &Tx<'_>,
     run_id: RunId,
